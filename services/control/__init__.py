@@ -1,0 +1,1 @@
+"""The service core the gateway calls: transport-agnostic training, sampling and checkpoint operations."""

@@ -1,0 +1,1 @@
+"""Domain types shared by the gateway, the scheduler and the worker (no wire types, no tensors)."""

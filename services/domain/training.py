@@ -1,0 +1,123 @@
+"""Training-side domain types: adapter specs, optimizer parameters, data and per-pass work items.
+
+These are what the scheduler hands a `Backend`; wire types are converted into them at the gateway edge.
+Arrays are numpy so that this core stays free of tensor frameworks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NewType
+
+import numpy as np
+
+AdapterId = NewType("AdapterId", str)
+
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSS_FNS: tuple[LossFnName, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+# Inputs each loss needs besides `target_tokens` (always required).
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+
+DEFAULT_LORA_ALPHA = 32.0
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What a tenant asked for in `lora_config`, plus the scaling we apply (alpha / rank)."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_attn: bool = True
+    """q/k/v/o projections."""
+    train_mlp: bool = True
+    """gate/up/down projections."""
+    train_unembed: bool = True
+    """the lm_head."""
+    alpha: float = DEFAULT_LORA_ALPHA
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora_config.rank must be >= 1, got {self.rank}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One `optim_step` call's AdamW hyper-parameters (Tinker defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    """Global L2 norm over this adapter's gradients; 0 disables clipping."""
+
+
+@dataclass
+class Datum:
+    """One sequence: input tokens and loss inputs aligned with them (position i predicts target i)."""
+
+    tokens: np.ndarray
+    """int64 (T,) input token ids."""
+    loss_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    """`target_tokens` int64 (T,) or (T, K); `weights`/`logprobs`/`advantages` float32 of the same shape."""
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class ForwardBackwardWork:
+    """One request's share of a packed pass: an adapter (None = base model), its data and loss."""
+
+    adapter_id: AdapterId | None
+    data: list[Datum]
+    loss_fn: LossFnName = "cross_entropy"
+    loss_config: dict[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(d.length for d in self.data)
+
+
+@dataclass
+class DatumOutput:
+    """Per-datum outputs: `logprobs` of the targets and `elementwise_loss`, both shaped like the targets."""
+
+    logprobs: np.ndarray
+    elementwise_loss: np.ndarray
+
+
+@dataclass
+class ForwardBackwardResult:
+    outputs: list[DatumOutput]
+    metrics: dict[str, float]
+    """Keys are `name:reduction` (e.g. `loss:sum`)."""
+
+
+@dataclass
+class OptimStepResult:
+    metrics: dict[str, float]
+
+
+@dataclass
+class WorkError:
+    """A per-request failure returned as a result; the pass and other tenants carry on."""
+
+    message: str
+    category: Literal["user", "server"] = "user"

@@ -1,0 +1,194 @@
+"""In-process `WorkQueue`, `ResultStore` and `Notifier` for the embedded deployment and for tests.
+
+Thread-safe by design: in embedded mode the scheduler loop runs in a worker thread while the gateway runs
+in an asyncio event loop. Locks guard every structure; waiters are asyncio futures resolved on their own
+loop through `loop.call_soon_threadsafe`, so a publish from the worker thread never touches a loop it
+does not own. Nothing here survives the process (that is the Redis implementation's job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+
+from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, Delivery, StoredResult
+from services.scheduler.requests import QueuedRequest, RequestId
+
+Clock = Callable[[], float]
+
+
+class InMemoryWorkQueue:
+    """`WorkQueue` over per-base-model deques; a condition variable lets `claim` block with a timeout."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queued: dict[str, deque[Delivery]] = {}
+        self._pending: dict[str, dict[str, Delivery]] = {}
+        self._ids = itertools.count(1)
+
+    def enqueue(self, base_model: str, request: QueuedRequest) -> str:
+        with self._cond:
+            delivery = Delivery(delivery_id=str(next(self._ids)), request=request)
+            self._queued.setdefault(base_model, deque()).append(delivery)
+            self._cond.notify_all()
+        return delivery.delivery_id
+
+    def claim(self, base_model: str, max_items: int, timeout_s: float = 0.0) -> list[Delivery]:
+        with self._cond:
+            if timeout_s > 0:
+                self._cond.wait_for(lambda: bool(self._queued.get(base_model)), timeout_s)
+            queue = self._queued.get(base_model)
+            claimed: list[Delivery] = []
+            while queue and len(claimed) < max_items:
+                claimed.append(queue.popleft())
+            pending = self._pending.setdefault(base_model, {})
+            pending.update((d.delivery_id, d) for d in claimed)
+            return claimed
+
+    def ack(self, base_model: str, delivery_ids: Iterable[str]) -> int:
+        with self._cond:
+            pending = self._pending.get(base_model, {})
+            return sum(pending.pop(delivery_id, None) is not None for delivery_id in delivery_ids)
+
+    def recover(self, base_model: str) -> int:
+        with self._cond:
+            pending = self._pending.pop(base_model, {})
+            # Ids grow with enqueue order, so sorting numerically restores the original order.
+            redeliver = sorted(pending.values(), key=lambda d: int(d.delivery_id))
+            self._queued.setdefault(base_model, deque()).extendleft(reversed(redeliver))
+            if redeliver:
+                self._cond.notify_all()
+            return len(redeliver)
+
+    def depth(self, base_model: str) -> int:
+        with self._cond:
+            return len(self._queued.get(base_model, ()))
+
+    def unacked(self, base_model: str) -> int:
+        """Claimed entries still pending an ack."""
+        with self._cond:
+            return len(self._pending.get(base_model, {}))
+
+
+class InMemoryResultStore:
+    """`ResultStore` in a dict with per-entry expiry; expired entries are purged lazily on write."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._results: dict[RequestId, tuple[float, StoredResult]] = {}
+        self._expiries: list[tuple[float, RequestId]] = []
+
+    def put(self, request_id: RequestId, result: StoredResult, ttl_s: float = DEFAULT_RESULT_TTL_S) -> None:
+        with self._lock:
+            now = self._clock()
+            self._purge(now)
+            expires_at = now + ttl_s
+            self._results[request_id] = (expires_at, result)
+            heapq.heappush(self._expiries, (expires_at, request_id))
+
+    def get_nowait(self, request_id: RequestId) -> StoredResult | None:
+        """Synchronous `get`, for callers outside an event loop."""
+        with self._lock:
+            entry = self._results.get(request_id)
+            if entry is None or entry[0] <= self._clock():
+                return None
+            return entry[1]
+
+    async def get(self, request_id: RequestId) -> StoredResult | None:
+        return self.get_nowait(request_id)
+
+    def delete(self, request_id: RequestId) -> None:
+        with self._lock:
+            self._results.pop(request_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._results)
+
+    def _purge(self, now: float) -> None:
+        """Drop expired results; heap entries of replaced or deleted results are skipped."""
+        while self._expiries and self._expiries[0][0] <= now:
+            expires_at, request_id = heapq.heappop(self._expiries)
+            entry = self._results.get(request_id)
+            if entry is not None and entry[0] == expires_at:
+                del self._results[request_id]
+
+
+class InMemoryNotifier:
+    """`Notifier` with per-waiter asyncio futures; one instance serves every long-poll of a process."""
+
+    def __init__(self, retention_s: float = 60.0, max_retained: int = 100_000, clock: Clock = time.monotonic):
+        self._retention_s = retention_s
+        self._max_retained = max_retained
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._waiters: dict[RequestId, list[asyncio.Future[bool]]] = {}
+        self._published: OrderedDict[RequestId, float] = OrderedDict()
+
+    def publish(self, request_id: RequestId) -> None:
+        with self._lock:
+            self._remember(request_id)
+            waiters = self._waiters.pop(request_id, [])
+        for future in waiters:
+            _resolve_threadsafe(future)
+
+    async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._recently_published(request_id):
+                return True
+            if timeout_s <= 0:
+                return False
+            self._waiters.setdefault(request_id, []).append(future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self._discard(request_id, future)
+
+    def waiting(self) -> int:
+        """Waiters currently parked (for metrics)."""
+        with self._lock:
+            return sum(len(futures) for futures in self._waiters.values())
+
+    def _remember(self, request_id: RequestId) -> None:
+        self._published[request_id] = self._clock()
+        self._published.move_to_end(request_id)
+        cutoff = self._clock() - self._retention_s
+        while self._published and (
+            len(self._published) > self._max_retained or next(iter(self._published.values())) < cutoff
+        ):
+            self._published.popitem(last=False)
+
+    def _recently_published(self, request_id: RequestId) -> bool:
+        published_at = self._published.get(request_id)
+        return published_at is not None and published_at >= self._clock() - self._retention_s
+
+    def _discard(self, request_id: RequestId, future: asyncio.Future[bool]) -> None:
+        with self._lock:
+            futures = self._waiters.get(request_id)
+            if futures is None:
+                return
+            if future in futures:
+                futures.remove(future)
+            if not futures:
+                del self._waiters[request_id]
+
+
+def _resolve_threadsafe(future: asyncio.Future[bool]) -> None:
+    """Set `future` on its own loop; a closed loop means its waiter is gone, which is fine."""
+
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(True)
+
+    with contextlib.suppress(RuntimeError):
+        future.get_loop().call_soon_threadsafe(resolve)

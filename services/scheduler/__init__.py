@@ -1,0 +1,52 @@
+"""Per-base-model scheduler: orders each model's requests by seq_id and packs many tenants into one pass.
+
+`Scheduler.step()` is the whole story (see `scheduler.py`); the rest are its parts:
+`requests` (what is queued, what a step plans, what comes back), `ordering` (per-model seq_id
+sequencer), `policy` (packing + fairness).
+"""
+
+from services.scheduler.ordering import Sequencer, StaleSeqIdError, UnorderedDedupe
+from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
+from services.scheduler.requests import (
+    Admission,
+    BarrierPlan,
+    Completion,
+    ModelId,
+    PassPlan,
+    PassSegment,
+    PlanItem,
+    PlanItemId,
+    QueuedRequest,
+    RequestId,
+    RequestKind,
+    SampleBatchPlan,
+    SchedulerStats,
+    StepPlan,
+    TenantId,
+)
+from services.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Admission",
+    "BarrierPlan",
+    "Completion",
+    "FairPacker",
+    "ModelId",
+    "PassPlan",
+    "PassSegment",
+    "PlanItem",
+    "PlanItemId",
+    "QueuedRequest",
+    "RequestId",
+    "RequestKind",
+    "SampleBatchPlan",
+    "Scheduler",
+    "SchedulerLimits",
+    "SchedulerStats",
+    "Sequencer",
+    "StaleSeqIdError",
+    "StepPlan",
+    "TenantId",
+    "UnorderedDedupe",
+    "pick_sample_batch",
+]

@@ -1,0 +1,322 @@
+"""`Scheduler`: the per-base-model decision loop, pure (no threads, no I/O, injectable clock).
+
+    submit()  ──▶ per-model Sequencer (seq_id order, dedupe, consumed gaps) ──▶ per-model ready queues
+    step():   take in-order requests ─▶ barriers of idle models ─▶ packed pass(es) under the budgets,
+              fair across tenants ─▶ sample batches ─▶ StepPlan (+ requests rejected on admission)
+    complete(item, results) ──▶ models unblocked; results paired with their requests
+
+Rules that keep per-model semantics while models share passes:
+- a model's pass-kind requests (forward / forward_backward) up to its next barrier may join passes, even
+  while earlier passes of that model are in flight (they commute: weights change only at barriers);
+- a barrier (optim_step / save / load / create) is dispatched only when nothing of its model is in
+  flight, and while it is, nothing else of that model is planned; it never blocks other models.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from services.domain.training import WorkError
+from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
+from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
+from services.scheduler.requests import (
+    Admission,
+    BarrierPlan,
+    Completion,
+    ModelId,
+    PassPlan,
+    PassSegment,
+    PlanItem,
+    PlanItemId,
+    QueuedRequest,
+    RequestId,
+    RequestKind,
+    SampleBatchPlan,
+    SchedulerStats,
+    StepPlan,
+    TenantId,
+    error_completion,
+)
+
+
+class Scheduler:
+    """Orders, packs and fairly shares one base model's work; see the module docstring for the flow.
+
+    Not thread-safe by design: one service loop owns it (claim → submit → step → dispatch → complete).
+    """
+
+    def __init__(
+        self,
+        limits: SchedulerLimits | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tenant_weights: Mapping[TenantId, float] | None = None,
+        dedupe_window: int = DEFAULT_DEDUPE_WINDOW,
+    ) -> None:
+        self.limits = limits or SchedulerLimits()
+        self._clock = clock
+        self._sequencer = Sequencer(dedupe_window)
+        self._sample_dedupe = UnorderedDedupe()
+        self._packer = FairPacker(self.limits.quantum_tokens, tenant_weights)
+        self._ready: dict[ModelId, deque[QueuedRequest]] = {}
+        self._samples: dict[TenantId, deque[QueuedRequest]] = {}
+        self._rejected: list[Completion] = []
+        self._in_flight: dict[PlanItemId, PlanItem] = {}
+        self._busy: dict[ModelId, int] = {}
+        self._barrier_busy: set[ModelId] = set()
+        self._item_ids = itertools.count(1)
+        self._totals: dict[str, int] = dict.fromkeys(
+            ("passes", "barriers", "sample_batches", "rejected", "tokens", "tenants", "last_tenants"), 0
+        )
+
+    # ---- intake -------------------------------------------------------------------------------------
+
+    def open_model(self, model_id: ModelId, next_seq_id: int = 0) -> None:
+        """Declare a model's position; only needed when it does not start at seq 0 (e.g. after recovery)."""
+        self._sequencer.open(model_id, next_seq_id)
+
+    def submit(self, request: QueuedRequest) -> Admission:
+        """Admit one request. Never raises for a bad request: its error comes out in `StepPlan.rejected`."""
+        problem = request.problem()
+        if problem is not None:
+            return self._reject(request, problem)
+        if request.kind is RequestKind.SAMPLE:
+            return self._admit_sample(request)
+        if request.kind is RequestKind.CONSUMED:
+            return self._admit_consumed(request)
+        return self._admit_ordered(request)
+
+    def mark_consumed(self, model_id: ModelId, seq_id: int, request_id: RequestId | None = None) -> None:
+        """The gateway rejected this seq_id at the edge: skip it so later requests of the model can run."""
+        self._sequencer.mark_consumed(model_id, seq_id, request_id)
+
+    def set_tenant_weight(self, tenant_id: TenantId, weight: float) -> None:
+        self._packer.set_weight(tenant_id, weight)
+
+    def close_model(self, model_id: ModelId) -> list[Completion]:
+        """Forget a model; its queued requests fail (in-flight items still complete normally)."""
+        dropped = [*self._ready.pop(model_id, ()), *self._sequencer.forget(model_id)]
+        return [error_completion(r, f"model {model_id} was closed", "user") for r in dropped]
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> StepPlan:
+        """Plan what to dispatch now. Every returned item must later go through `complete()`."""
+        self._take_in_order()
+        barriers = self._plan_barriers()
+        passes = self._plan_passes()
+        sample_batches = self._plan_sample_batches()
+        rejected, self._rejected = tuple(self._rejected), []
+        self._drop_empty_queues()
+        return StepPlan(barriers=barriers, passes=passes, sample_batches=sample_batches, rejected=rejected)
+
+    def complete(self, item: PlanItem, results: Sequence[object] | WorkError) -> list[Completion]:
+        """Record that `item` ran; pair its requests with `results`.
+
+        `results` align with `item.requests` (a `PassPlan`'s in segment order), or are one `WorkError`
+        for the whole item (the backend call failed). Missing results become server errors. Completing an
+        item twice, or one this scheduler did not plan, returns [] and changes nothing.
+        """
+        if self._in_flight.get(item.item_id) is not item:
+            return []
+        del self._in_flight[item.item_id]
+        for model_id in _models_of(item):
+            self._busy[model_id] -= 1
+            if not self._busy[model_id]:
+                del self._busy[model_id]
+        if isinstance(item, BarrierPlan):
+            self._barrier_busy.discard(item.request.model_id)
+        return _pair(item.requests, results)
+
+    def has_queued(self) -> bool:
+        """Whether in-order requests wait (runnable now or once in-flight items complete) or rejections do.
+
+        Early arrivals waiting for a missing seq_id are not counted: only a new submission can free them.
+        """
+        self._take_in_order()
+        return any(self._ready.values()) or any(self._samples.values()) or bool(self._rejected)
+
+    def stats(self) -> SchedulerStats:
+        self._take_in_order()  # count released requests where they will be planned from; no decision made
+        waiting = list(self._sequencer.waiting())
+        queued = [*self._queued_ordered(), *waiting, *self._queued_samples()]
+        oldest = min((r.enqueued_at for r in queued), default=None)
+        totals = self._totals
+        return SchedulerStats(
+            queued_by_model=dict(Counter(r.model_id for r in queued if r.kind.is_ordered)),
+            queued_by_tenant=dict(Counter(r.tenant_id for r in queued)),
+            out_of_order_waiting=len(waiting),
+            samples_queued=sum(len(q) for q in self._samples.values()),
+            in_flight_items=len(self._in_flight),
+            oldest_wait_s=0.0 if oldest is None else max(0.0, self._clock() - oldest),
+            passes_planned=totals["passes"],
+            barriers_planned=totals["barriers"],
+            sample_batches_planned=totals["sample_batches"],
+            requests_rejected=totals["rejected"],
+            tokens_planned=totals["tokens"],
+            tenants_in_last_pass=totals["last_tenants"],
+            tenants_per_pass_total=totals["tenants"],
+        )
+
+    # ---- admission ----------------------------------------------------------------------------------
+
+    def _admit_ordered(self, request: QueuedRequest) -> Admission:
+        assert request.seq_id is not None
+        known = self._sequencer.known(request.model_id, request.seq_id)
+        if known is not None:
+            return Admission(known, is_new=False)
+        oversized = self._oversized(request)
+        if oversized is not None:
+            # It can never run; consuming its seq_id keeps the rest of the model flowing.
+            self._sequencer.mark_consumed(request.model_id, request.seq_id, request.request_id)
+            return self._reject(request, oversized)
+        try:
+            request_id, is_new = self._sequencer.submit(request)
+        except StaleSeqIdError as exc:
+            return self._reject(request, str(exc))
+        return Admission(request_id, is_new)
+
+    def _admit_consumed(self, request: QueuedRequest) -> Admission:
+        """A seq_id rejected at the edge: skip it; later duplicates map to the marker's request id."""
+        assert request.seq_id is not None
+        known = self._sequencer.known(request.model_id, request.seq_id)
+        changed = self._sequencer.mark_consumed(request.model_id, request.seq_id, request.request_id)
+        return Admission(known or request.request_id, is_new=changed)
+
+    def _admit_sample(self, request: QueuedRequest) -> Admission:
+        request_id, is_new = self._sample_dedupe.admit(request)
+        if not is_new:
+            return Admission(request_id, is_new=False)
+        self._samples.setdefault(request.tenant_id, deque()).append(request)
+        return Admission(request_id, is_new=True)
+
+    def _oversized(self, request: QueuedRequest) -> str | None:
+        budget = self.limits.max_tokens_per_pass
+        if request.kind.is_pass and request.num_tokens > budget:
+            return (
+                f"{request.kind.value} request has {request.num_tokens} tokens, more than the "
+                f"{budget} tokens one pass can hold; split it into smaller batches"
+            )
+        return None
+
+    def _reject(self, request: QueuedRequest, message: str) -> Admission:
+        self._rejected.append(error_completion(request, message, "user"))
+        self._totals["rejected"] += 1
+        return Admission(request.request_id, is_new=True)
+
+    # ---- planning -----------------------------------------------------------------------------------
+
+    def _take_in_order(self) -> None:
+        for request in self._sequencer.drain():
+            self._ready.setdefault(request.model_id, deque()).append(request)
+
+    def _plan_barriers(self) -> tuple[BarrierPlan, ...]:
+        barriers: list[BarrierPlan] = []
+        for model_id, queue in self._ready.items():
+            if queue and queue[0].kind.is_barrier and model_id not in self._busy:
+                barrier = BarrierPlan(self._new_item_id(), queue.popleft())
+                self._track(barrier)
+                barriers.append(barrier)
+        return tuple(barriers)
+
+    def _plan_passes(self) -> tuple[PassPlan, ...]:
+        passes: list[PassPlan] = []
+        for _ in range(self.limits.max_passes_per_step):
+            runs = [run for run in self._pass_runs() if run]
+            chosen = self._packer.pack(runs, self.limits) if runs else []
+            if not chosen:
+                break
+            plan = PassPlan(self._new_item_id(), self._take_segments(chosen))
+            self._track(plan)
+            passes.append(plan)
+        return tuple(passes)
+
+    def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
+        """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""
+        for model_id, queue in self._ready.items():
+            if model_id not in self._barrier_busy:
+                yield list(itertools.takewhile(lambda r: r.kind.is_pass, queue))
+
+    def _take_segments(self, chosen: list[QueuedRequest]) -> tuple[PassSegment, ...]:
+        """Pop the chosen requests (a prefix of each model's queue), grouped contiguously by model."""
+        by_model: dict[ModelId, list[QueuedRequest]] = {}
+        for request in chosen:
+            by_model.setdefault(request.model_id, []).append(request)
+        segments = []
+        for model_id, requests in by_model.items():
+            queue = self._ready[model_id]
+            for request in requests:
+                popped = queue.popleft()
+                assert popped is request, "the packer takes each model's requests in queue order"
+            segments.append(PassSegment(model_id, requests[0].tenant_id, tuple(requests)))
+        return tuple(segments)
+
+    def _plan_sample_batches(self) -> tuple[SampleBatchPlan, ...]:
+        batches: list[SampleBatchPlan] = []
+        for _ in range(self.limits.max_sample_batches_per_step):
+            chosen = pick_sample_batch(self._samples, self.limits.max_sample_batch)
+            if not chosen:
+                break
+            for request in chosen:
+                popped = self._samples[request.tenant_id].popleft()
+                assert popped is request, "the picker takes each tenant's samples in queue order"
+            batch = SampleBatchPlan(self._new_item_id(), tuple(chosen))
+            self._track(batch)
+            batches.append(batch)
+        return tuple(batches)
+
+    def _drop_empty_queues(self) -> None:
+        """Idle models and tenants should cost nothing per step."""
+        self._ready = {m: q for m, q in self._ready.items() if q}
+        self._samples = {t: q for t, q in self._samples.items() if q}
+
+    def _new_item_id(self) -> PlanItemId:
+        return PlanItemId(next(self._item_ids))
+
+    def _track(self, item: PlanItem) -> None:
+        """Mark an item in flight right away, so later phases of the same step see its models busy."""
+        self._in_flight[item.item_id] = item
+        for model_id in _models_of(item):
+            self._busy[model_id] = self._busy.get(model_id, 0) + 1
+        if isinstance(item, BarrierPlan):
+            self._barrier_busy.add(item.request.model_id)
+            self._totals["barriers"] += 1
+        elif isinstance(item, PassPlan):
+            self._count_pass(item)
+        else:
+            self._totals["sample_batches"] += 1
+
+    def _count_pass(self, plan: PassPlan) -> None:
+        self._totals["passes"] += 1
+        self._totals["tokens"] += plan.num_tokens
+        self._totals["tenants"] += len(plan.tenants)
+        self._totals["last_tenants"] = len(plan.tenants)
+
+    def _queued_ordered(self) -> Iterator[QueuedRequest]:
+        for queue in self._ready.values():
+            yield from queue
+
+    def _queued_samples(self) -> Iterator[QueuedRequest]:
+        for queue in self._samples.values():
+            yield from queue
+
+
+def _models_of(item: PlanItem) -> tuple[ModelId, ...]:
+    """Models whose ordering an item holds (sampling holds none)."""
+    if isinstance(item, PassPlan):
+        return item.model_ids
+    if isinstance(item, BarrierPlan):
+        return (item.request.model_id,)
+    return ()
+
+
+def _pair(requests: Sequence[QueuedRequest], results: Sequence[object] | WorkError) -> list[Completion]:
+    if isinstance(results, WorkError):
+        return [Completion(r, results) for r in requests]
+    completions = [Completion(r, res) for r, res in zip(requests, results, strict=False)]
+    missing = WorkError(f"backend returned {len(results)} results for {len(requests)} requests", "server")
+    completions.extend(Completion(r, missing) for r in requests[len(results) :])
+    return completions

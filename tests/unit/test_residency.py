@@ -1,0 +1,179 @@
+"""Adapter residency (`worker.engine.residency.AdapterSlots`): spilling never changes training.
+
+Acceptance: four adapters trained round-robin on an engine that keeps only two resident (so the LRU
+spills and restores them, one of them between its forward_backward and its optim_step, i.e. with
+pending gradients) end bit-for-bit where the same schedule ends with everything resident; an adapter
+that gets no requests does not change at all. The host-memory spill path (GPU workers) is checked on
+`AdapterSlots` directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardWork, LoraSpec
+from worker.engine.adapters import AdapterState, OptimizerState
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.residency import AdapterSlots, UnknownAdapter
+
+HP = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+SPECS = {
+    AdapterId("a0"): LoraSpec(rank=2, seed=1),
+    AdapterId("a1"): LoraSpec(rank=4, seed=2, train_mlp=False),
+    AdapterId("a2"): LoraSpec(rank=3, seed=3, train_unembed=False),
+    AdapterId("a3"): LoraSpec(rank=4, seed=4, train_attn=False),
+}
+IDLE = AdapterId("idle")
+
+Snapshot = dict[str, torch.Tensor]
+
+
+def _data(seed: int) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in (6, 9):
+        seq = rng.integers(0, 512, n + 1)
+        data.append(Datum(seq[:-1].astype(np.int64), {"target_tokens": seq[1:].astype(np.int64)}))
+    return data
+
+
+def _work(aid: AdapterId, seed: int) -> ForwardBackwardWork:
+    return ForwardBackwardWork(aid, _data(seed))
+
+
+def _snapshot(engine: Engine, aid: AdapterId) -> Snapshot:
+    """Factors, pending gradients and AdamW moments of one adapter, copied."""
+    state = engine.adapter(aid)
+    out = {f"param:{k}": p.detach().clone() for k, p in state.params.items()}
+    out.update({f"grad:{k}": p.grad.clone() for k, p in state.params.items() if p.grad is not None})
+    out.update({f"exp_avg:{k}": t.clone() for k, t in state.optimizer.exp_avg.items()})
+    out.update({f"exp_avg_sq:{k}": t.clone() for k, t in state.optimizer.exp_avg_sq.items()})
+    return out
+
+
+def _schedule(engine: Engine) -> tuple[dict[AdapterId, Snapshot], list[list[AdapterId]]]:
+    """Round-robin training; returns final snapshots and who was resident before each optim round."""
+    for aid, spec in SPECS.items():
+        engine.create_adapter(aid, spec)
+    engine.create_adapter(IDLE, LoraSpec(rank=2, seed=5))
+    ids = list(SPECS)
+    resident_at_optim: list[list[AdapterId]] = []
+    for rnd in range(2):
+        for k, aid in enumerate(ids):  # one adapter per pass: each evicts the least recently used
+            engine.forward_backward([_work(aid, 10 * rnd + k)])
+        resident_at_optim.append(engine.slots.resident_ids())
+        for aid in ids:
+            engine.optim_step(aid, HP)
+        # A packed pass over three adapters (over the cap: the pass pins them all), then accumulation.
+        engine.forward_backward([_work(ids[0], 100 + rnd), _work(ids[2], 101), _work(ids[3], 102)])
+        engine.forward_backward([_work(ids[1], 103)])
+        engine.forward_backward([_work(ids[0], 104), _work(ids[1], 105)])
+        resident_at_optim.append(engine.slots.resident_ids())
+        for aid in reversed(ids):
+            engine.optim_step(aid, HP)
+    return {aid: _snapshot(engine, aid) for aid in [*ids, IDLE]}, resident_at_optim
+
+
+def _assert_same(a: Snapshot, b: Snapshot) -> None:
+    assert a.keys() == b.keys()
+    for key, t in a.items():
+        assert torch.equal(t, b[key]), key
+
+
+def test_spilling_does_not_change_training(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def engine(cap: int) -> Engine:
+        config = EngineConfig(device="cpu", dtype="float32", max_resident_adapters=cap, spill_dir=tmp_path)
+        return Engine(tiny_model_dir, name="tiny", config=config)
+
+    small, big = engine(2), engine(64)
+    got, resident = _schedule(small)
+    want, _ = _schedule(big)
+    assert small.slots.spills > 0 and small.slots.restores > 0
+    assert big.slots.spills == 0
+    # a0 had pending gradients when later passes pushed it out of the two slots.
+    assert AdapterId("a0") not in resident[0]
+    for aid in want:
+        _assert_same(got[aid], want[aid])
+
+
+def test_adapter_without_requests_does_not_change(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = EngineConfig(device="cpu", dtype="float32", max_resident_adapters=2, spill_dir=tmp_path)
+    engine = Engine(tiny_model_dir, name="tiny", config=config)
+    engine.create_adapter(IDLE, LoraSpec(rank=2, seed=5))
+    before = _snapshot(engine, IDLE)
+    for aid, spec in SPECS.items():
+        engine.create_adapter(aid, spec)
+    for rnd in range(2):
+        engine.forward_backward([_work(aid, rnd) for aid in SPECS])
+        for aid in SPECS:
+            engine.optim_step(aid, HP)
+    assert IDLE not in engine.slots.resident_ids()  # it was spilled ...
+    _assert_same(_snapshot(engine, IDLE), before)  # ... and comes back exactly as it was
+    assert not any(k.startswith(("grad:", "exp_avg")) for k in before)
+
+
+# -- AdapterSlots alone: both spill targets ------------------------------------------------------------
+def _state(aid: str, seed: int) -> AdapterState:
+    gen = torch.Generator().manual_seed(seed)
+    params = {f"l.{f}": torch.nn.Parameter(torch.randn(3, 5, generator=gen)) for f in ("lora_A", "lora_B")}
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt = OptimizerState(step=seed, exp_avg={k: torch.randn(3, 5, generator=gen) for k in params},
+                         exp_avg_sq={k: torch.rand(3, 5, generator=gen) for k in params})
+    return AdapterState(AdapterId(aid), LoraSpec(rank=3, seed=seed), seed, params, opt,
+                        pending_grad_passes=seed % 3)
+
+
+def _raw(state: AdapterState) -> Snapshot:
+    out = {f"param:{k}": p.detach().clone() for k, p in state.params.items()}
+    out.update({f"grad:{k}": p.grad.clone() for k, p in state.params.items()})
+    out.update({f"m:{k}": t.clone() for k, t in state.optimizer.exp_avg.items()})
+    out.update({f"v:{k}": t.clone() for k, t in state.optimizer.exp_avg_sq.items()})
+    return out
+
+
+@pytest.mark.parametrize("to_disk", [True, False], ids=["disk", "host"])
+def test_slots_spill_and_restore_exactly(tmp_path: Path, to_disk: bool) -> None:
+    slots = AdapterSlots(torch.device("cpu"), max_resident=1, spill_dir=tmp_path)
+    slots._spill_to_disk = to_disk  # the host path is what GPU workers take; force it to cover it here
+    states = [_state(f"s{i}", i + 1) for i in range(3)]
+    expected = {s.adapter_id: (_raw(s), s.optimizer.step, s.pending_grad_passes, s.spec) for s in states}
+    for s in states:
+        slots.put(s)
+    assert slots.resident_ids() == [AdapterId("s2")] and slots.spills == 2
+    for aid in [AdapterId("s0"), AdapterId("s1"), AdapterId("s0"), AdapterId("s2")]:
+        state = slots.get(aid)
+        raw, step, pending, spec = expected[aid]
+        _assert_same(_raw(state), raw)
+        assert (state.optimizer.step, state.pending_grad_passes, state.spec) == (step, pending, spec)
+        assert all(p.requires_grad and p.is_leaf for p in state.params.values())
+    assert slots.restores == 4 and len(slots) == 3
+    slots.drop(AdapterId("s0"))
+    with pytest.raises(UnknownAdapter):
+        slots.get(AdapterId("s0"))
+    if not to_disk:
+        assert not any(tmp_path.iterdir())  # host spills never touch the disk
+
+
+def test_pinned_adapters_are_never_evicted(tmp_path: Path) -> None:
+    slots = AdapterSlots(torch.device("cpu"), max_resident=1, spill_dir=tmp_path)
+    for i in range(3):
+        slots.put(_state(f"s{i}", i + 1))
+    pinned = {AdapterId("s0"), AdapterId("s1"), AdapterId("s2")}
+    for aid in sorted(pinned):
+        slots.get(aid, pinned=pinned)
+    assert sorted(slots.resident_ids()) == sorted(pinned)  # over the cap rather than thrash a pass
+
+
+def test_disk_spill_keeps_ids_with_the_same_safe_name_apart(tmp_path: Path) -> None:
+    slots = AdapterSlots(torch.device("cpu"), max_resident=1, spill_dir=tmp_path)
+    first, second = _state("run/1", 1), _state("run_1", 2)
+    want = _raw(first)
+    slots.put(first)
+    slots.put(second)
+    slots.put(_state("other", 3))  # spills run_1 onto run/1's file
+    _assert_same(_raw(slots.get(AdapterId("run/1"))), want)

@@ -1,0 +1,1 @@
+"""Carpool worker: one base model, many resident LoRA adapters, packed passes."""

@@ -1,0 +1,108 @@
+"""One packed forward(/backward) pass over datums of many adapters, laid end to end in one row.
+
+Base GEMMs run once over all tokens; each adapter's tokens form one contiguous segment for the
+multi-LoRA layers; attention stays within each sequence (position ids restart at 0). The loss summed
+over every training datum is back-propagated once; since adapters are separate leaves and nothing in
+a transformer mixes rows across sequences, each adapter receives exactly its own gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.domain.training import Datum
+from worker.engine.losses import LOSSES
+from worker.engine.model import LoadedModel
+from worker.engine.passes import LoraWeights, PassPlan, Segment
+
+
+@dataclass
+class PackedItem:
+    """One datum in the packed row, with what its loss needs."""
+
+    key: object
+    """Opaque id the caller uses to route the outputs back (e.g. (work index, datum index))."""
+    adapter_key: object
+    """Items with the same adapter key share a LoRA segment when adjacent."""
+    weights: dict[str, LoraWeights] | None
+    datum: Datum
+    loss_fn: str
+    loss_config: dict[str, float]
+    train: bool
+
+
+@dataclass
+class ItemOutput:
+    logprobs: np.ndarray
+    elementwise_loss: np.ndarray
+    loss: float
+
+
+def run_packed_pass(lm: LoadedModel, items: list[PackedItem]) -> list[ItemOutput]:
+    """Run one pass; items of one adapter should be adjacent (the caller groups them)."""
+    train = any(item.train for item in items)
+    input_ids, position_ids, seq_lens = _layout(items, lm.device)
+    plan = PassPlan(segments=_segments(items), seq_lens=seq_lens)
+    with torch.set_grad_enabled(train), lm.ctx.plan(plan):
+        logits = lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
+    with torch.set_grad_enabled(train):
+        outputs, total = _losses(lm, items, logits)
+        if train and total is not None and total.requires_grad:
+            total.backward()
+    return outputs
+
+
+def _layout(items: list[PackedItem], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    seq_lens = [item.datum.length for item in items]
+    tokens = np.concatenate([item.datum.tokens for item in items]).astype(np.int64)
+    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens])
+    return (torch.from_numpy(tokens).to(device)[None],
+            torch.from_numpy(positions).to(device)[None], seq_lens)
+
+
+def _segments(items: list[PackedItem]) -> list[Segment]:
+    segments: list[Segment] = []
+    start = 0
+    for item in items:
+        end = start + item.datum.length
+        if segments and segments[-1].weights is item.weights and segments[-1].end == start:
+            segments[-1] = Segment(segments[-1].start, end, item.weights)
+        else:
+            segments.append(Segment(start, end, item.weights))
+        start = end
+    return segments
+
+
+def _losses(lm: LoadedModel, items: list[PackedItem],
+            logits: torch.Tensor) -> tuple[list[ItemOutput], torch.Tensor | None]:
+    outputs: list[ItemOutput] = []
+    total: torch.Tensor | None = None
+    start = 0
+    for item in items:
+        end = start + item.datum.length
+        inputs = {k: torch.from_numpy(np.asarray(v)).to(lm.device) for k, v in item.datum.loss_inputs.items()}
+        lp = target_logprobs(logits[start:end], inputs["target_tokens"])
+        elementwise = LOSSES[item.loss_fn](lp, inputs, item.loss_config)
+        loss = elementwise.sum()
+        if item.train:
+            total = loss if total is None else total + loss
+        outputs.append(ItemOutput(
+            logprobs=lp.detach().float().cpu().numpy().astype(np.float32),
+            elementwise_loss=elementwise.detach().float().cpu().numpy().astype(np.float32),
+            loss=float(loss.detach()),
+        ))
+        start = end
+    return outputs, total
+
+
+def target_logprobs(logits_T_V: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position; targets (T,) or (T, K) → logprobs of the same shape (fp32)."""
+    logits = logits_T_V.float()
+    # logsumexp keeps only the logits for backward, where log_softmax would keep a second (T, V) copy.
+    lse_T = torch.logsumexp(logits, dim=-1)
+    tgt = targets if targets.dim() == 2 else targets[:, None]
+    picked = logits.gather(-1, tgt.long()) - lse_T[:, None]
+    return picked if targets.dim() == 2 else picked[:, 0]
