@@ -14,6 +14,7 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection
 
+from services.db.columns import UtcDateTime
 from services.db.engine import (
     DATABASE_URL_ENV,
     database_url_from_env,
@@ -21,7 +22,6 @@ from services.db.engine import (
     normalize_database_url,
     sqlite_foreign_keys_disabled,
 )
-from services.db.columns import UtcDateTime
 from services.db.models import Base
 
 # Any constant works; it only has to be the same in every process that migrates this database.

@@ -1,5 +1,7 @@
-"""Initial schema: tenants, API keys, sessions, training runs, sampling sessions, requests, checkpoints,
-usage buckets and hub pushes.
+"""Initial schema.
+
+Tables: tenants, api_keys, sessions, training_runs, sampling_sessions, requests, checkpoints, usage
+(hourly buckets) and hub_pushes.
 
 Written out explicitly (types included) rather than importing `services.db.models`: a migration is a frozen
 record of the schema at this revision and must not change when the models do.

@@ -72,7 +72,7 @@ def create_tenant_with_key(
     quotas: TenantQuotas | None = None,
     pepper: bytes | None = None,
 ) -> tuple[Tenant, IssuedKey]:
-    """Create a tenant and its first key in the caller's transaction (`ConflictError` if the name is taken)."""
+    """Create a tenant and its first key in the caller's transaction; `ConflictError` if the name is taken."""
     row = create_tenant(db, name, is_admin=is_admin, quotas=quotas)
     issued = issue_api_key(db, TenantId(row.id), label="initial", pepper=pepper)
     return Tenant.from_row(row, issued.key_id), issued

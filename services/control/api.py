@@ -114,8 +114,17 @@ class OptimStepDone:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class WeightsLoaded:
+    """`load_weights` finished: `model_id` now holds the checkpoint at `tinker_path` (added for the runtime)."""
+
+    model_id: ModelId
+    tinker_path: str
+
+
 Outcome = (
     ForwardBackwardResult | SampleResult | OptimStepDone | CheckpointRef | SamplerRef | ModelCreated
+    | WeightsLoaded
 )
 """A finished request's domain result; the gateway renders it by the request's kind."""
 
@@ -193,6 +202,38 @@ class SignedUrls:
     expires: datetime
 
 
+@dataclass(frozen=True)
+class RuntimeStats:
+    """Counters of one base model's scheduler loop since start (for /metrics and healthz)."""
+
+    base_model: str
+    running: bool
+    passes: int = 0
+    multi_tenant_passes: int = 0
+    """Passes that carried more than one tenant's requests: the product working as intended."""
+    tenants_per_pass_total: int = 0
+    """Sum over passes of their tenant count; divide by `passes` for the mean."""
+    tokens: int = 0
+    barriers: int = 0
+    sample_batches: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    last_pass_tokens_per_s: float = 0.0
+    busy_seconds: float = 0.0
+    queued: int = 0
+    """Requests waiting in the queue or the scheduler."""
+
+    @property
+    def mean_tenants_per_pass(self) -> float:
+        return self.tenants_per_pass_total / self.passes if self.passes else 0.0
+
+
+class RuntimeIntrospection(Protocol):
+    """Optional extra of a control plane: the scheduler loops' counters (`ServiceControlPlane` has it)."""
+
+    def runtime_stats(self) -> list[RuntimeStats]: ...
+
+
 class ControlPlane(Protocol):
     """Everything the gateway can ask of the service. All methods are async and tenant-scoped."""
 
@@ -234,7 +275,8 @@ class ControlPlane(Protocol):
     async def cancel(self, tenant: Tenant, request_id: RequestId) -> None: ...
 
     # -- runs, sessions, checkpoints (REST) --------------------------------------------------
-    async def list_training_runs(self, tenant: Tenant, limit: int, offset: int) -> tuple[list[TrainingRunView], Page]: ...
+    async def list_training_runs(self, tenant: Tenant, limit: int,
+                                 offset: int) -> tuple[list[TrainingRunView], Page]: ...
     async def get_training_run(self, tenant: Tenant, run_id: ModelId) -> TrainingRunView: ...
     async def list_sessions(self, tenant: Tenant, limit: int, offset: int) -> tuple[list[SessionId], Page]: ...
     async def get_session(self, tenant: Tenant, session_id: SessionId) -> SessionView: ...

@@ -101,7 +101,7 @@ class ApiKeyRow(Base):
 
 
 class SessionRow(Base):
-    """A Tinker client session: the parent of training runs and sampling sessions, kept alive by heartbeats."""
+    """A Tinker client session: parent of training runs and sampling sessions, kept alive by heartbeats."""
 
     __tablename__ = "sessions"
 

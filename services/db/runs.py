@@ -95,7 +95,9 @@ def list_training_runs(
 
 def count_active_training_runs(db: Session, tenant_id: TenantId) -> int:
     """How many of the tenant's runs hold an adapter slot (what the `max_models` quota limits)."""
-    stmt = select(func.count()).where(TrainingRunRow.tenant_id == tenant_id, TrainingRunRow.status == "active")
+    stmt = select(func.count()).where(
+        TrainingRunRow.tenant_id == tenant_id, TrainingRunRow.status == "active"
+    )
     return int(db.scalar(stmt) or 0)
 
 

@@ -85,12 +85,15 @@ def current_revision(target: str | Engine) -> str | None:
 
 
 def _run(target: str | Engine, action: str, revision: str) -> None:
-    with _engine(target) as engine, engine.connect() as connection:
-        with sqlite_foreign_keys_disabled(connection):
-            config = alembic_config()
-            config.attributes["connection"] = connection
-            getattr(command, action)(config, revision)
-            connection.commit()
+    with (
+        _engine(target) as engine,
+        engine.connect() as connection,
+        sqlite_foreign_keys_disabled(connection),
+    ):
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        getattr(command, action)(config, revision)
+        connection.commit()
 
 
 def upgrade_to_head(target: str | Engine) -> None:

@@ -78,7 +78,9 @@ def heartbeat_session(
     return execute_count(db, stmt.values(last_heartbeat_at=now or utcnow())) == 1
 
 
-def finish_session(db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None) -> bool:
+def finish_session(
+    db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None
+) -> bool:
     """Mark the session finished (idempotent: finishing twice keeps the first time). False if unknown."""
     stmt = update(SessionRow).where(
         SessionRow.id == session_id, SessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)

@@ -70,7 +70,9 @@ def list_tenants(db: Session, *, limit: int = DEFAULT_PAGE_SIZE, offset: int = 0
 
 def set_tenant_disabled(db: Session, tenant_id: TenantId, disabled: bool) -> bool:
     """Disable (or re-enable) a tenant: a disabled tenant's keys stop authenticating. False if unknown."""
-    return execute_count(db, update(TenantRow).where(TenantRow.id == tenant_id).values(disabled=disabled)) == 1
+    return (
+        execute_count(db, update(TenantRow).where(TenantRow.id == tenant_id).values(disabled=disabled)) == 1
+    )
 
 
 def set_tenant_quotas(db: Session, tenant_id: TenantId, quotas: TenantQuotas) -> bool:
@@ -111,7 +113,9 @@ def list_api_keys(db: Session, tenant_id: TenantId, *, include_revoked: bool = F
     return list(db.scalars(stmt.order_by(ApiKeyRow.created_at, ApiKeyRow.id)))
 
 
-def revoke_api_key(db: Session, tenant_id: TenantId, key_id: ApiKeyId, *, now: datetime | None = None) -> bool:
+def revoke_api_key(
+    db: Session, tenant_id: TenantId, key_id: ApiKeyId, *, now: datetime | None = None
+) -> bool:
     """Revoke one of the tenant's keys. False if it is not the tenant's or was already revoked."""
     stmt = update(ApiKeyRow).where(
         ApiKeyRow.id == key_id, ApiKeyRow.tenant_id == tenant_id, ApiKeyRow.revoked_at.is_(None)

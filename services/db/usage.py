@@ -46,7 +46,11 @@ def record_usage(
     if tokens < 0 or requests < 0:
         raise ValueError(f"usage increments must be >= 0, got tokens={tokens} requests={requests}")
     insert = insert_for(db, UsageRow).values(
-        tenant_id=tenant_id, bucket_start=hour_bucket(now or utcnow()), kind=kind, tokens=tokens, requests=requests
+        tenant_id=tenant_id,
+        bucket_start=hour_bucket(now or utcnow()),
+        kind=kind,
+        tokens=tokens,
+        requests=requests,
     )
     # A single upsert is atomic on both backends: concurrent increments to one bucket never lose counts.
     stmt = insert.on_conflict_do_update(
@@ -68,7 +72,9 @@ def usage_buckets(
     kind: str | None = None,
 ) -> list[UsageRow]:
     """The tenant's hourly buckets starting in [hour of `since`, `until`), oldest first."""
-    stmt = select(UsageRow).where(UsageRow.tenant_id == tenant_id, UsageRow.bucket_start >= hour_bucket(since))
+    stmt = select(UsageRow).where(
+        UsageRow.tenant_id == tenant_id, UsageRow.bucket_start >= hour_bucket(since)
+    )
     if until is not None:
         stmt = stmt.where(UsageRow.bucket_start < until)
     if kind is not None:

@@ -279,10 +279,14 @@ def request_failed(error: domain.WorkError | WireError) -> RequestFailedResponse
 
 
 def get_info_response(model_id: str, info: BaseModelInfo, spec: domain.LoraSpec) -> GetInfoResponse:
-    """Answer of `get_info`; the SDK loads the tokenizer from `model_data.model_name` client-side."""
+    """Answer of `get_info`. `model_data.model_name` is the public model name; `tokenizer_id` is the
+    base model's local tokenizer directory (`tokenizer_path`), so `TrainingClient.get_tokenizer()`
+    loads it offline, without a hub (falls back to the name when no path is known)."""
     return GetInfoResponse(
         model_id=model_id,
-        model_data=ModelData(arch=info.arch, model_name=info.name, tokenizer_id=info.name),
+        model_data=ModelData(
+            arch=info.arch, model_name=info.name, tokenizer_id=info.tokenizer_path or info.name
+        ),
         is_lora=True,
         lora_rank=spec.rank,
         model_name=info.name,

@@ -10,9 +10,20 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import authenticate, create_tenant_with_key, issue_api_key
-from services.db import ConflictError, Database, NotFoundError, database_url_for_data_dir, open_database
+from services.db import (
+    ConflictError,
+    Database,
+    NotFoundError,
+    database_url_for_data_dir,
+    hub_pushes,
+    open_database,
+    request_log,
+    runs,
+    sessions,
+    tenants,
+    usage,
+)
 from services.db import checkpoints as ckpts
-from services.db import hub_pushes, request_log, runs, sessions, tenants, usage
 from services.db.ids import ApiKeyId, HubPushId, ModelId, SessionId, TenantId
 from services.db.testing import postgres_unavailable_reason, scratch_postgres_database, wipe_tables
 
@@ -147,7 +158,9 @@ def test_training_runs_are_idempotent_and_count_quota(db: Session) -> None:
     assert model_id == f"{session_id}:train:0"
     again = runs.create_training_run(db, tenant_id, session_id, 0, base_model="other", lora_rank=4)
     assert again.id == model_id and again.base_model == "smol"
-    runs.create_training_run(db, tenant_id, session_id, 1, base_model="smol", lora_rank=8, lora_config={"a": 1})
+    runs.create_training_run(
+        db, tenant_id, session_id, 1, base_model="smol", lora_rank=8, lora_config={"a": 1}
+    )
     assert runs.count_active_training_runs(db, tenant_id) == 2
     assert runs.set_training_run_status(db, tenant_id, model_id, "unloaded")
     assert runs.count_active_training_runs(db, tenant_id) == 1
@@ -174,7 +187,9 @@ def test_reserve_seq_id(db: Session) -> None:
 def test_sampling_sessions(db: Session) -> None:
     tenant_id = _tenant(db)
     session_id = SessionId(sessions.create_session(db, tenant_id).id)
-    row = runs.create_sampling_session(db, tenant_id, session_id, 0, base_model="smol", model_path="tinker://x")
+    row = runs.create_sampling_session(
+        db, tenant_id, session_id, 0, base_model="smol", model_path="tinker://x"
+    )
     assert row.id == f"{session_id}:sample:0"
     assert runs.create_sampling_session(db, tenant_id, session_id, 0, base_model="other").base_model == "smol"
     assert [s.id for s in runs.list_sampling_sessions(db, tenant_id, session_id=session_id)] == [row.id]
@@ -223,8 +238,15 @@ def test_checkpoints_publish_ttl_delete(db: Session) -> None:
         prefix = "weights" if kind == "training" else "sampler_weights"
         path = f"tinker://{model_id}/{prefix}/{name}"
         ckpts.create_checkpoint(
-            db, tenant_id, model_id, f"{prefix}/{name}", kind=kind, tinker_path=path,
-            storage_uri=f"file:///data/{name}", size_bytes=100, now=at,
+            db,
+            tenant_id,
+            model_id,
+            f"{prefix}/{name}",
+            kind=kind,
+            tinker_path=path,
+            storage_uri=f"file:///data/{name}",
+            size_bytes=100,
+            now=at,
         )
         return path
 
@@ -235,10 +257,19 @@ def test_checkpoints_publish_ttl_delete(db: Session) -> None:
         save("c1", "training", T0)
     with pytest.raises(NotFoundError):
         ckpts.create_checkpoint(
-            db, tenant_id, ModelId("sess-x:train:9"), "weights/a", kind="training",
-            tinker_path="tinker://sess-x:train:9/weights/a", storage_uri="file:///x",
+            db,
+            tenant_id,
+            ModelId("sess-x:train:9"),
+            "weights/a",
+            kind="training",
+            tinker_path="tinker://sess-x:train:9/weights/a",
+            storage_uri="file:///x",
         )
-    assert [c.tinker_path for c in ckpts.list_checkpoints_for_run(db, tenant_id, model_id)] == [first, second, sampler]
+    assert [c.tinker_path for c in ckpts.list_checkpoints_for_run(db, tenant_id, model_id)] == [
+        first,
+        second,
+        sampler,
+    ]
     assert [c.tinker_path for c in ckpts.list_checkpoints(db, tenant_id, kind="training")] == [second, first]
     latest = ckpts.latest_checkpoint(db, tenant_id, model_id, "training")
     assert latest is not None and latest.tinker_path == second
@@ -262,7 +293,13 @@ def test_hub_pushes_survive_checkpoint_deletion(db: Session) -> None:
     _, model_id = _run(db, tenant_id)
     path = f"tinker://{model_id}/sampler_weights/final"
     ckpts.create_checkpoint(
-        db, tenant_id, model_id, "sampler_weights/final", kind="sampler", tinker_path=path, storage_uri="s3://b/k"
+        db,
+        tenant_id,
+        model_id,
+        "sampler_weights/final",
+        kind="sampler",
+        tinker_path=path,
+        storage_uri="s3://b/k",
     )
     push = hub_pushes.create_hub_push(db, tenant_id, path, target="hf", repo="acme/lora", private=True)
     push_id = HubPushId(push.id)

@@ -8,9 +8,19 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy.orm import Session
 
-from services.db import Database, NotFoundError, database_url_for_data_dir, open_database
+from services.auth.tenants import issue_api_key
+from services.db import (
+    Database,
+    NotFoundError,
+    database_url_for_data_dir,
+    hub_pushes,
+    open_database,
+    request_log,
+    runs,
+    sessions,
+    tenants,
+)
 from services.db import checkpoints as ckpts
-from services.db import hub_pushes, request_log, runs, sessions, tenants
 from services.db.ids import HubPushId, ModelId, RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.testing import postgres_unavailable_reason, scratch_postgres_database, wipe_tables
 
@@ -141,8 +151,13 @@ def test_other_tenant_cannot_create_children_of_foreign_rows(db: Session, a: Own
         runs.create_sampling_session(db, b, a.session, 1, base_model="smol")
     with pytest.raises(NotFoundError):
         ckpts.create_checkpoint(
-            db, b, a.run, "weights/evil", kind="training",
-            tinker_path=f"tinker://{a.run}/weights/evil", storage_uri="file:///evil",
+            db,
+            b,
+            a.run,
+            "weights/evil",
+            kind="training",
+            tinker_path=f"tinker://{a.run}/weights/evil",
+            storage_uri="file:///evil",
         )
     with pytest.raises(NotFoundError):
         hub_pushes.create_hub_push(db, b, a.checkpoint, target="hf", repo="b/steal")
@@ -161,8 +176,6 @@ def test_public_checkpoints_are_readable_but_still_not_owned(db: Session, a: Own
 
 
 def test_api_keys_are_scoped(db: Session, a: Owned, b: TenantId) -> None:
-    from services.auth.tenants import issue_api_key
-
     issued = issue_api_key(db, a.tenant)
     assert tenants.list_api_keys(db, b) == []
     assert not tenants.revoke_api_key(db, b, issued.key_id)

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,9 +92,20 @@ def test_diff_detects_drift(empty_url: str) -> None:
 
 
 def test_concurrent_upgrades_on_postgres(postgres_available: None) -> None:
-    """Replicas starting together: the advisory lock serialises them and both end at head."""
-    with scratch_postgres_database(prefix="carpool_migr") as url, ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: upgrade_to_head(url), range(4)))
+    """Replicas starting together: the advisory lock serialises them and all end at head.
+
+    Separate processes, as in production (Alembic's `context`/`op` proxies are process-global).
+    """
+    script = "import sys; from services.db.schema import upgrade_to_head; upgrade_to_head(sys.argv[1])"
+    with scratch_postgres_database(prefix="carpool_migr") as url:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script, url], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(4)
+        ]
+        errors = [proc.communicate(timeout=120)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0, 0, 0], errors
         assert current_revision(url) == head_revision()
         assert _schema_diff(url) == []
 

@@ -31,7 +31,9 @@ def test_generated_keys_are_prefixed_long_and_unique() -> None:
         assert looks_like_api_key(key)
 
 
-@pytest.mark.parametrize("value", ["", "tml-", "tml-short", "sk-" + "a" * 43, "tml-" + "a" * 40 + "!", " " + "tml-" + "a" * 43])
+@pytest.mark.parametrize(
+    "value", ["", "tml-", "tml-short", "sk-" + "a" * 43, "tml-" + "a" * 40 + "!", " " + "tml-" + "a" * 43]
+)
 def test_malformed_keys_are_rejected_by_shape(value: str) -> None:
     assert not looks_like_api_key(value)
 

@@ -65,19 +65,23 @@ def _data(rng: np.random.Generator, model, loss_fn: str, vocab: int, lengths: li
     return data
 
 
-@pytest.mark.parametrize("loss_fn", LOSSES)
-def test_packed_pass_equals_peft_alone(engine: Engine, tiny_model_dir, loss_fn: str) -> None:  # noqa: ANN001
-    rng = np.random.default_rng(LOSSES.index(loss_fn))
+CASES = [(loss_fn, "ragged") for loss_fn in LOSSES] + [("cross_entropy", "uniform"), ("ppo", "uniform")]
+
+
+@pytest.mark.parametrize(("loss_fn", "lengths"), CASES)
+def test_packed_pass_equals_peft_alone(engine: Engine, tiny_model_dir, loss_fn: str, lengths: str) -> None:  # noqa: ANN001
+    """`ragged`: every datum its own length; `uniform`: equal lengths (the grouped strategy's view path)."""
+    rng = np.random.default_rng(LOSSES.index(loss_fn) + (10 if lengths == "uniform" else 0))
     vocab = engine.info.vocab_size
-    ids = [AdapterId(f"ref-{loss_fn}-{s.rank}") for s in SPECS]
+    ids = [AdapterId(f"ref-{loss_fn}-{lengths}-{s.rank}") for s in SPECS]
     refs, works = [], []
     for k, (aid, spec) in enumerate(zip(ids, SPECS, strict=True)):
         engine.create_adapter(aid, spec)
         _give_b_values(engine, aid, seed=100 + k)
         model = _reference_model(tiny_model_dir, spec, _factors(engine, aid))
         refs.append(model)
-        lengths = [int(x) for x in rng.integers(3, 19, size=2)]
-        works.append(ForwardBackwardWork(aid, _data(rng, model, loss_fn, vocab, lengths), loss_fn, LOSS_CONFIG))
+        sizes = [int(x) for x in rng.integers(3, 19, size=2)] if lengths == "ragged" else [12, 12]
+        works.append(ForwardBackwardWork(aid, _data(rng, model, loss_fn, vocab, sizes), loss_fn, LOSS_CONFIG))
 
     results = engine.forward_backward(works)
     assert engine.stats.adapters_per_pass[-1] == len(SPECS), "all adapters must share one pass"

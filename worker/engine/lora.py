@@ -84,14 +84,16 @@ class MultiLoraLinear(nn.Module):
             _, w = entries[0]
             return ((x.to(w.A.dtype) @ w.A.t()) @ w.B.t()).mul(w.scale)
         by_start = {seg.start: w for seg, w in entries}
+        # `split` (not slicing): its backward is one concatenation, where each slice's backward would
+        # materialise a zero-filled gradient of the whole input.
+        parts = x.split([seg.end - seg.start for seg in segments])
         pieces: list[torch.Tensor] = []
-        for seg in segments:
+        for seg, xs in zip(segments, parts, strict=True):
             w = by_start.get(seg.start)
             if w is None:
                 pieces.append(x.new_zeros((seg.end - seg.start, self.out_features)))
                 continue
-            xs = x[seg.start : seg.end].to(w.A.dtype)
-            pieces.append(((xs @ w.A.t()) @ w.B.t()).mul(w.scale))
+            pieces.append(((xs.to(w.A.dtype) @ w.A.t()) @ w.B.t()).mul(w.scale))
         return torch.cat(pieces, dim=0)
 
 
@@ -102,10 +104,16 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: 
     dtype = entries[0][1].A.dtype
     a_S_R_in = _stack([w.A for _, w in entries], layout.rank, dim=0)
     b_S_out_R = _stack([w.B for _, w in entries], layout.rank, dim=1)
-    x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
-    x_S_L_in = x_ext[layout.gather]
+    if layout.uniform:
+        # Equal segments covering every token: a view, no gather and no scatter.
+        x_S_L_in = x.to(dtype).view(len(entries), -1, x.shape[1])
+    else:
+        x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
+        x_S_L_in = x_ext[layout.gather]
     h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)) * layout.scale
     out_S_L_out = torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+    if layout.uniform:
+        return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
     if layout.covers_all:
         return picked
@@ -139,6 +147,7 @@ class _Layout:
         self.valid = inside.reshape(-1).nonzero().squeeze(1).to(device)
         self.positions = torch.cat([torch.arange(s.start, s.end) for s, _ in entries]).to(device)
         self.covers_all = sum(lengths) == tokens
+        self.uniform = self.covers_all and len(set(lengths)) == 1
         dtype = entries[0][1].A.dtype
         self.scale = torch.tensor([w.scale for _, w in entries], dtype=dtype, device=device)[:, None, None]
 

@@ -6,6 +6,7 @@ trains, and eval mode keeps dropout off so packed and reference passes compute t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -70,10 +71,9 @@ def load_base_model(model_dir: Path, *, device: torch.device | None = None,
 def _eos_ids(model_dir: Path, config: object) -> tuple[int, ...]:
     ids: list[int] = []
     sources: list[object] = [getattr(config, "eos_token_id", None)]
-    try:
+    # No generation_config.json: the model config's eos is all there is.
+    with contextlib.suppress(OSError):
         sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except OSError:
-        pass  # no generation_config.json: the model config's eos is all there is
     for value in sources:
         if isinstance(value, int):
             ids.append(value)

@@ -1,0 +1,132 @@
+"""Who is calling: the `Authenticator` Protocol the gateway depends on, its database implementation, and
+reading a credential from request headers.
+
+The gateway never sees key hashes or tenant rows. It asks an `Authenticator` to turn the presented key
+into a `Tenant` (None = reject with 401) and, for `DELETE /api/v1/auth/apikey/me`, to revoke the key the
+caller authenticated with. `DatabaseAuthenticator` implements it over `services.auth.tenants` and a
+`services.db.Database`, running the (synchronous) SQLAlchemy work in a thread and caching successful
+lookups for a few seconds so long-polls and chunked forward_backward calls do not each hit the database.
+
+Credentials arrive as `X-API-Key: tml-...` (the SDK) or `Authorization: Bearer tml-...` (REST clients).
+Keys are never logged: errors name the header, not its value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.auth.keys import KEY_PREFIX
+from services.auth.tenants import Tenant, authenticate
+from services.db.database import Database
+from services.db.tenants import revoke_api_key
+
+API_KEY_HEADER = "X-API-Key"
+JWT_PREFIX = "eyJ"
+
+
+class Authenticator(Protocol):
+    """Turns an API key into the tenant it belongs to; implemented by the service core or below."""
+
+    async def authenticate(self, api_key: str) -> Tenant | None:
+        """The tenant owning `api_key`, or None if it is malformed, unknown, revoked, or the tenant is
+        disabled (all four look the same to the caller)."""
+        ...
+
+    async def revoke(self, tenant: Tenant) -> bool:
+        """Revoke the key `tenant` authenticated with (`tenant.api_key_id`); False if it was not live."""
+        ...
+
+
+class CredentialError(Exception):
+    """A request without a usable credential; answered 401 with `message`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def credential_from_headers(headers: Mapping[str, str]) -> str:
+    """The presented key: `X-API-Key` first (what the SDK sends), else `Authorization: Bearer <key>`."""
+    key = (headers.get(API_KEY_HEADER) or "").strip()
+    if not key:
+        scheme, _, value = (headers.get("authorization") or "").strip().partition(" ")
+        if scheme.lower() == "bearer":
+            key = value.strip()
+        elif scheme:
+            raise CredentialError("Authorization header must use the Bearer scheme: 'Bearer tml-...'")
+    if not key:
+        raise CredentialError(
+            f"missing API key: send '{API_KEY_HEADER}: {KEY_PREFIX}...' or 'Authorization: Bearer {KEY_PREFIX}...'"
+        )
+    if key.startswith(JWT_PREFIX):
+        raise CredentialError("JWT credentials are not accepted by this server (JWT exchange is off); use an API key")
+    return key
+
+
+@dataclass(frozen=True)
+class _Cached:
+    tenant: Tenant
+    expires_at: float
+
+
+class DatabaseAuthenticator:
+    """`Authenticator` over the tenants/api_keys tables, with a short positive cache.
+
+    Only successes are cached (a revoked key stops working here at once when revoked through this
+    instance, elsewhere after at most `cache_seconds`); failures always hit the database, so a newly
+    issued key works immediately.
+    """
+
+    def __init__(
+        self, database: Database, *, pepper: bytes | None = None, cache_seconds: float = 5.0,
+        cache_size: int = 10_000,
+    ) -> None:
+        self._database = database
+        self._pepper = pepper
+        self._cache_seconds = cache_seconds
+        self._cache_size = cache_size
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+
+    async def authenticate(self, api_key: str) -> Tenant | None:
+        # The cache is keyed by a digest so the process never holds raw keys beyond the request.
+        digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        hit = self._cache.get(digest)
+        if hit is not None and hit.expires_at > time.monotonic():
+            return hit.tenant
+        tenant = await asyncio.to_thread(self._lookup, api_key)
+        if tenant is None:
+            self._cache.pop(digest, None)
+        else:
+            self._remember(digest, tenant)
+        return tenant
+
+    async def revoke(self, tenant: Tenant) -> bool:
+        if tenant.api_key_id is None:
+            return False
+        revoked = await asyncio.to_thread(self._revoke, tenant)
+        for digest in [d for d, c in self._cache.items() if c.tenant.api_key_id == tenant.api_key_id]:
+            del self._cache[digest]
+        return revoked
+
+    def _lookup(self, api_key: str) -> Tenant | None:
+        with self._database.sessions.begin() as session:
+            return authenticate(session, api_key, pepper=self._pepper)
+
+    def _revoke(self, tenant: Tenant) -> bool:
+        assert tenant.api_key_id is not None
+        with self._database.sessions.begin() as session:
+            return revoke_api_key(session, tenant.id, tenant.api_key_id)
+
+    def _remember(self, digest: str, tenant: Tenant) -> None:
+        if self._cache_seconds <= 0 or self._cache_size <= 0:
+            return
+        self._cache[digest] = _Cached(tenant, time.monotonic() + self._cache_seconds)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)

@@ -1,0 +1,118 @@
+"""The ASGI middleware at the edge of every request: request id, body-size limit, metrics, last-resort 500.
+
+A plain ASGI class (not `BaseHTTPMiddleware`, which buffers and interferes with long-polls). It
+- tags the request with an id (a sane incoming `X-Request-Id`, else a fresh one), echoed on the answer
+  and available as `request.state.request_id`;
+- answers 413 before reading a body whose `Content-Length` is over the limit, and makes `receive`
+  raise `BodyTooLarge` when a streamed body crosses it (the route's handler turns that into a 413);
+- records per-route counts and latency in `RouteMetrics`;
+- turns an unexpected exception into a JSON 500 that says nothing about internals (the traceback is
+  logged with the request id; headers are never logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import BodyTooLarge, body_too_large_response, error_response
+from gateway.metrics import UNMATCHED_ROUTE, RouteMetrics
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class EdgeMiddleware:
+    """See the module docstring."""
+
+    def __init__(self, app: ASGIApp, *, metrics: RouteMetrics, max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = {"code": 500, "started": False}
+        send_tagged = _tagging_send(send, request_id, status)
+        started_at = time.perf_counter()
+        self.metrics.started()
+        try:
+            await self._handle(scope, receive, send_tagged, status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or UNMATCHED_ROUTE
+            self.metrics.finished(scope["method"], template, int(status["code"]),
+                                  time.perf_counter() - started_at)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, status: dict[str, Any]) -> None:
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await body_too_large_response(self.max_body_bytes)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, _limited_receive(receive, self.max_body_bytes), send)
+        except Exception:
+            log.exception("unhandled error in %s %s (request id %s)", scope["method"], scope["path"],
+                          scope["state"]["request_id"])
+            if status["started"]:
+                raise
+            response = error_response(500, "internal server error", request_id=scope["state"]["request_id"])
+            await response(scope, receive, send)
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            candidate = value.decode("latin-1")
+            if _SANE_REQUEST_ID.fullmatch(candidate):
+                return candidate
+    return uuid.uuid4().hex
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _tagging_send(send: Send, request_id: str, status: dict[str, Any]) -> Send:
+    async def tagged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status["code"] = message["status"]
+            status["started"] = True
+            headers = list(message.get("headers", []))
+            headers.append((REQUEST_ID_HEADER.lower().encode(), request_id.encode()))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return tagged
+
+
+def _limited_receive(receive: Receive, limit: int) -> Receive:
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return limited

@@ -1,0 +1,137 @@
+"""Gateway configuration: `GatewaySettings`, read from `CARPOOL_*` environment variables.
+
+Owns every knob of the HTTP edge — long-poll length, body limits, the public URL used for signed
+download links, authentication caching, and the feature flags handed to SDK clients through
+`client/config` and `client/dynamic_config`. Nothing here is instantiated at import time: the
+composition root builds one `GatewaySettings()` and passes it to `gateway.app.create_app`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+SDK_RETRIEVE_TIMEOUT_S = 45.0
+"""Client read timeout of `retrieve_future` in SDK 0.38; a long-poll must answer well before it."""
+
+
+class GatewaySettings(BaseSettings):
+    """Settings of the HTTP gateway (env prefix `CARPOOL_`, e.g. `CARPOOL_LONG_POLL_SECONDS=20`)."""
+
+    model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore", frozen=True)
+
+    # -- futures --------------------------------------------------------------------------------
+    long_poll_seconds: float = Field(
+        default=25.0,
+        gt=0,
+        lt=SDK_RETRIEVE_TIMEOUT_S - 5,
+        description="How long `retrieve_future` holds a request for a pending future before answering "
+        "`try_again` (the SDK re-polls at once; its read timeout is 45 s).",
+    )
+    sample_render_cache_size: int = Field(
+        default=100_000,
+        ge=0,
+        description="How many `asample` requests' rendering options (top-k width, `prompt_logprobs_last_n`) "
+        "the gateway remembers until their result is fetched; only non-default requests use a slot.",
+    )
+
+    # -- request limits ---------------------------------------------------------------------------
+    max_body_bytes: int = Field(
+        default=64 * MIB,
+        ge=1024,
+        description="Largest request body, compressed or not (bigger answers HTTP 413); also caps a zstd "
+        "forward_backward body after decompression.",
+    )
+    default_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="`max_tokens` of a sampling request that leaves it unset; None = the domain default.",
+    )
+
+    # -- URLs, docs, metrics ----------------------------------------------------------------------
+    public_base_url: str | None = Field(
+        default=None,
+        description="Externally visible base URL (e.g. `https://carpool.example.com`) used to build signed "
+        "download links; None = taken from each request's own URL.",
+    )
+    docs_enabled: bool = Field(default=True, description="Serve OpenAPI at `/openapi.json` and `/docs`.")
+    metrics_enabled: bool = Field(
+        default=True, description="Serve per-route request counters and latency histograms at `/metrics`."
+    )
+
+    # -- authentication ---------------------------------------------------------------------------
+    auth_cache_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long a successful API-key lookup is reused (0 = look up every request); bounds "
+        "how long a revoked key keeps working on other replicas.",
+    )
+    auth_cache_size: int = Field(default=10_000, ge=0, description="Most cached API-key lookups.")
+
+    # -- sessions ---------------------------------------------------------------------------------
+    min_sdk_version: str = Field(
+        default="0.38.0",
+        pattern=r"^\d+(\.\d+)*$",
+        description="Older SDKs get a `warning_message` from `create_session` (they may not speak this "
+        "server's protocol).",
+    )
+
+    # -- client/config flags (handed to the SDK) ----------------------------------------------------
+    use_pyqwest_transport: bool = Field(
+        default=False,
+        description="Let the SDK use its pyqwest transport; plain httpx (false) avoids reqwest quirks.",
+    )
+    proto_compress_fwdbwd: bool = Field(
+        default=False, description="Ask the SDK to zstd-compress protobuf forward_backward bodies."
+    )
+    parallel_fwdbwd_chunks: bool = Field(
+        default=True,
+        description="Let the SDK send the chunks of one forward_backward concurrently (chunk 1 last).",
+    )
+    fwdbwd_max_chunk_len: int = Field(default=1024, ge=1, description="Most datums per forward_backward request.")
+    fwdbwd_max_chunk_bytes_count: int = Field(
+        default=5_000_000,
+        ge=1024,
+        description="Most estimated protobuf bytes per forward_backward request (must fit max_body_bytes).",
+    )
+    sample_max_concurrent_requests: int = Field(
+        default=2000, ge=1, description="Concurrency cap of each SDK SamplingClient."
+    )
+
+    # -- client/dynamic_config flags ----------------------------------------------------------------
+    dynamic_config_refresh_seconds: int = Field(
+        default=300, ge=10, description="How often SDK clients re-fetch `client/dynamic_config`."
+    )
+    sample_cancel_enabled: bool = Field(
+        default=False, description="Let SDK clients send `cancel_future` for abandoned samples."
+    )
+
+    @model_validator(mode="after")
+    def _chunks_fit_body(self) -> GatewaySettings:
+        # The SDK's byte estimate is approximate; keep a 2x margin so a full chunk is never a 413.
+        if self.fwdbwd_max_chunk_bytes_count * 2 > self.max_body_bytes:
+            raise ValueError(
+                f"fwdbwd_max_chunk_bytes_count ({self.fwdbwd_max_chunk_bytes_count}) must be at most half "
+                f"of max_body_bytes ({self.max_body_bytes})"
+            )
+        return self
+
+    def sdk_version_is_old(self, sdk_version: str | None) -> bool:
+        """Whether `sdk_version` (e.g. `0.37.2`) is older than `min_sdk_version`; unknown → False."""
+        parsed = _version_tuple(sdk_version)
+        return parsed is not None and parsed < (_version_tuple(self.min_sdk_version) or ())
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts: list[int] = []
+    for part in version.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(part):  # `0.38.0rc1` → (0, 38, 0)
+            break
+    return tuple(parts) or None

@@ -1,0 +1,101 @@
+"""Runs a step's plan items on a `Backend`: barriers one by one, each packed pass as ONE backend call.
+
+This is the product's core: a `PassPlan` holds several tenants' forward/backward requests, and all of
+them go to the backend in a single `forward_backward([...])` call, so they share the base model's GEMMs.
+Sample batches likewise become one `sample([...])` call.
+
+Every backend call is wrapped: an exception fails only the item that raised (category `server`, logged
+with its request ids), never the loop. Results come back as the scheduler's `complete()` expects them:
+one per request in the item's order, or a single `WorkError` for the whole item.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from services.domain.backend import Backend
+from services.domain.sampling import SampleResult
+from services.domain.training import WorkError
+from services.runtime.commands import BarrierCommand, ForwardBackward, Sample
+from services.runtime.reporting import LoopCounters
+from services.scheduler.requests import BarrierPlan, PassPlan, PlanItem, QueuedRequest, SampleBatchPlan
+
+log = logging.getLogger(__name__)
+
+ItemResults = Sequence[object] | WorkError
+_T = TypeVar("_T")
+
+
+class Dispatcher:
+    """Executes plan items against one backend and counts what ran."""
+
+    def __init__(self, backend: Backend, counters: LoopCounters, base_model: str) -> None:
+        self._backend = backend
+        self._counters = counters
+        self._base_model = base_model
+
+    def run(self, item: PlanItem) -> ItemResults:
+        """Run any plan item; never raises."""
+        if isinstance(item, PassPlan):
+            return self._guarded(item, self._packed_pass)
+        if isinstance(item, BarrierPlan):
+            return self._guarded(item, self._barrier)
+        return self._guarded(item, self._sample_batch)
+
+    def _guarded(self, item: PlanItem, run: Callable[[PlanItem], ItemResults]) -> ItemResults:
+        try:
+            return run(item)
+        except Exception as exc:  # noqa: BLE001 - any backend failure must fail this item only
+            ids = ", ".join(r.request_id for r in item.requests)
+            log.exception("%s: %s failed (requests %s)", self._base_model, type(item).__name__, ids)
+            message = f"internal error while running the request: {type(exc).__name__}: {exc}"
+            return WorkError(message, "server")
+
+    def _barrier(self, item: PlanItem) -> ItemResults:
+        assert isinstance(item, BarrierPlan)
+        command = item.request.payload
+        if not isinstance(command, BarrierCommand):
+            kind = item.request.kind.value
+            raise TypeError(f"{kind} request carries {type(command).__name__}, not a command")
+        started = time.perf_counter()
+        outcome = command.run(self._backend)
+        self._counters.record_barrier(time.perf_counter() - started)
+        log.debug("%s: %s of %s done", self._base_model, type(command).__name__, item.request.model_id)
+        return [outcome]
+
+    def _packed_pass(self, item: PlanItem) -> ItemResults:
+        assert isinstance(item, PassPlan)
+        works = [_payload(r, ForwardBackward).work for r in item.requests]
+        started = time.perf_counter()
+        results = self._backend.forward_backward(works)
+        seconds = time.perf_counter() - started
+        rate = self._counters.record_pass(item.num_tokens, len(item.tenants), seconds)
+        log.info(
+            "%s pass %s: %d requests, %d tokens, %d tenants, %d adapters, %.1f ms, %.0f tokens/s",
+            self._base_model, item.item_id, len(works), item.num_tokens, len(item.tenants),
+            len(item.segments), seconds * 1000, rate,
+        )
+        return results
+
+    def _sample_batch(self, item: PlanItem) -> ItemResults:
+        assert isinstance(item, SampleBatchPlan)
+        works = [_payload(r, Sample).work for r in item.requests]
+        started = time.perf_counter()
+        results = self._backend.sample(works)
+        seconds = time.perf_counter() - started
+        self._counters.record_sample_batch(seconds)
+        generated = sum(len(s.tokens) for r in results if isinstance(r, SampleResult) for s in r.sequences)
+        log.info("%s sample batch %s: %d requests, %d tokens generated, %.1f ms",
+                 self._base_model, item.item_id, len(works), generated, seconds * 1000)
+        return results
+
+
+def _payload(request: QueuedRequest, expected: type[_T]) -> _T:
+    payload = request.payload
+    if not isinstance(payload, expected):
+        raise TypeError(f"{request.kind.value} request {request.request_id} carries "
+                        f"{type(payload).__name__}, not {expected.__name__}")
+    return payload

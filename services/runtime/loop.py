@@ -1,0 +1,192 @@
+"""`SchedulerLoop`: the thread that drives one base model's `Backend` from the work queue.
+
+    claim (WorkQueue) ─▶ Scheduler.submit ─▶ Scheduler.step ─▶ Dispatcher (barriers, packed passes,
+    sample batches) ─▶ Scheduler.complete ─▶ CompletionHook ─▶ ResultStore.put ─▶ Notifier.publish ─▶ ack
+
+One loop owns one `Scheduler` (which is not thread-safe by design) and one backend. Results are stored
+before they are announced and queue entries acked only after that, so a crash in between redelivers
+work instead of losing it. Markers (`CONSUMED`) and duplicate deliveries produce no result of their own
+and are acked at once. Nothing that goes wrong in one iteration stops the loop: backend failures become
+error results (see `dispatch`), anything else is logged and the loop carries on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.control.api import RuntimeStats
+from services.domain.backend import Backend
+from services.jobqueue.protocol import (
+    DEFAULT_RESULT_TTL_S,
+    Delivery,
+    Notifier,
+    ResultStore,
+    StoredResult,
+    WorkQueue,
+)
+from services.runtime.dispatch import Dispatcher
+from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
+from services.scheduler.requests import Completion, PlanItem, RequestId, RequestKind
+from services.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    poll_s: float = 0.2
+    """How long an idle loop waits for work per claim; also bounds how long `stop()` takes to notice."""
+    batch_window_s: float = 0.005
+    """After work arrives, wait this long for more before planning, so near-simultaneous requests of
+    several tenants share a pass. Adds at most this much latency to a lone request."""
+    max_claim: int = 512
+    """Queue entries taken per claim."""
+    result_ttl_s: float = DEFAULT_RESULT_TTL_S
+
+
+class SchedulerLoop:
+    """Drives one base model; `start()` runs it on a daemon thread, `stop()` ends it gracefully."""
+
+    def __init__(
+        self,
+        base_model: str,
+        backend: Backend,
+        queue: WorkQueue,
+        results: ResultStore,
+        notifier: Notifier,
+        *,
+        scheduler: Scheduler | None = None,
+        hook: CompletionHook | None = None,
+        config: LoopConfig | None = None,
+    ) -> None:
+        self.base_model = base_model
+        self._queue = queue
+        self._results = results
+        self._notifier = notifier
+        self._scheduler = scheduler or Scheduler()
+        self._hook = hook or NullCompletionHook()
+        self._config = config or LoopConfig()
+        self._counters = LoopCounters(base_model)
+        self._dispatcher = Dispatcher(backend, self._counters, base_model)
+        self._deliveries: dict[RequestId, list[str]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Pass ids join the request log with pass logs; the prefix tells loops (and restarts) apart.
+        self._pass_prefix = f"pass-{secrets.token_hex(4)}"
+        self._iterations = itertools.count()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.running:
+            return
+        recovered = self._queue.recover(self.base_model)
+        if recovered:
+            log.info("%s: re-queued %d unacknowledged requests", self.base_model, recovered)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"scheduler:{self.base_model}", daemon=True)
+        self._thread.start()
+        log.info("%s: scheduler loop started", self.base_model)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish the current iteration (whatever runs completes and is delivered), then end the thread."""
+        thread = self._thread
+        self._stop.set()
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("%s: scheduler loop did not stop within %.0f s", self.base_model, timeout_s)
+        self._thread = None
+        log.info("%s: scheduler loop stopped", self.base_model)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> RuntimeStats:
+        """A snapshot of the counters; safe from any thread."""
+        return self._counters.snapshot(self.running)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self._scheduler.has_queued()
+                self.run_once(0.0 if busy else self._config.poll_s)
+            except Exception:  # noqa: BLE001 - the loop must outlive any single failure
+                log.exception("%s: scheduler loop iteration failed; carrying on", self.base_model)
+                self._stop.wait(self._config.poll_s)  # no hot spin if the failure repeats
+
+    def run_once(self, wait_s: float = 0.0) -> int:
+        """One iteration: claim, plan, run and deliver. Returns how many items and refusals it handled.
+
+        Public so that tests and tools can drive a loop synchronously without its thread.
+        """
+        for delivery in self._claim(wait_s):
+            self._admit(delivery)
+        plan = self._scheduler.step()
+        self._deliver(list(plan.rejected), None)
+        for item in plan.items:
+            self._execute(item)
+        self._counters.record_scheduler(self._scheduler.stats(), self._queue.depth(self.base_model))
+        return len(plan.items) + len(plan.rejected)
+
+    def _claim(self, wait_s: float) -> list[Delivery]:
+        claimed = self._queue.claim(self.base_model, self._config.max_claim, wait_s)
+        window = self._config.batch_window_s
+        if claimed and window > 0 and not self._stop.is_set():
+            time.sleep(window)
+            claimed += self._queue.claim(self.base_model, self._config.max_claim, 0.0)
+        return claimed
+
+    def _admit(self, delivery: Delivery) -> None:
+        request = delivery.request
+        admission = self._scheduler.submit(request)
+        if request.kind is RequestKind.CONSUMED or not admission.is_new:
+            # A marker or a redelivered duplicate: the original request owns the result.
+            self._queue.ack(self.base_model, [delivery.delivery_id])
+            return
+        self._deliveries.setdefault(admission.request_id, []).append(delivery.delivery_id)
+
+    def _execute(self, item: PlanItem) -> None:
+        pass_id = f"{self._pass_prefix}-{item.item_id}"
+        self._notify_started(item, pass_id)
+        results = self._dispatcher.run(item)
+        self._deliver(self._scheduler.complete(item, results), pass_id)
+
+    def _notify_started(self, item: PlanItem, pass_id: str) -> None:
+        try:
+            self._hook.started(item.requests, pass_id)
+        except Exception:  # noqa: BLE001 - bookkeeping must not stop the work
+            log.exception("%s: completion hook failed on start of %s", self.base_model, pass_id)
+
+    def _deliver(self, completions: Sequence[Completion], pass_id: str | None) -> None:
+        """Store and announce results, then ack their queue entries."""
+        if not completions:
+            return
+        final = self._amend(completions, pass_id)
+        for completion in final:
+            self._results.put(completion.request_id, StoredResult.from_completion(completion),
+                              self._config.result_ttl_s)
+            self._notifier.publish(completion.request_id)
+        acked = [d for c in final for d in self._deliveries.pop(c.request_id, [])]
+        if acked:
+            self._queue.ack(self.base_model, acked)
+        self._counters.record_completions(final)
+
+    def _amend(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+        try:
+            amended = self._hook.finished(completions, pass_id)
+        except Exception:  # noqa: BLE001 - the client must get its result even if bookkeeping failed
+            log.exception("%s: completion hook failed for %s", self.base_model, pass_id or "refusals")
+            return list(completions)
+        if len(amended) != len(completions):
+            log.error("%s: completion hook returned %d of %d completions; using the originals",
+                      self.base_model, len(amended), len(completions))
+            return list(completions)
+        return amended

@@ -1,0 +1,112 @@
+"""What a scheduler loop reports: the `CompletionHook` seam (request log, checkpoints, usage) and counters.
+
+The loop itself knows no database. It tells a `CompletionHook` when plan items start and finish; the
+service wires a database-backed hook (`services.control.recording`), tests may wire none. The hook may
+replace a completion's result (a save whose checkpoint row cannot be written fails instead of pointing
+the client at a checkpoint nobody can find).
+
+`LoopCounters` are written by the loop thread and read from any thread (gateway metrics, healthz): every
+access holds a lock and readers get an immutable `RuntimeStats` snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from services.control.api import RuntimeStats
+from services.scheduler.requests import Completion, QueuedRequest, SchedulerStats
+
+
+@runtime_checkable
+class CompletionHook(Protocol):
+    """Observes a loop's work. Called on the loop thread; must not block for long."""
+
+    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
+        """`requests` are about to run in the plan item `pass_id`."""
+        ...
+
+    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+        """`completions` ended (pass_id None: refused by the scheduler); returns them, possibly amended."""
+        ...
+
+
+class NullCompletionHook:
+    """A hook that records nothing (tests, benchmarks)."""
+
+    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
+        return None
+
+    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+        return list(completions)
+
+
+class LoopCounters:
+    """Totals since the loop was built; thread-safe."""
+
+    def __init__(self, base_model: str) -> None:
+        self._base_model = base_model
+        self._lock = threading.Lock()
+        self._passes = 0
+        self._multi_tenant_passes = 0
+        self._tenants_total = 0
+        self._tokens = 0
+        self._barriers = 0
+        self._sample_batches = 0
+        self._completed = 0
+        self._failed = 0
+        self._last_tokens_per_s = 0.0
+        self._busy_s = 0.0
+        self._queued = 0
+
+    def record_pass(self, tokens: int, tenants: int, seconds: float) -> float:
+        """Count one packed pass; returns its tokens per second."""
+        rate = tokens / seconds if seconds > 0 else 0.0
+        with self._lock:
+            self._passes += 1
+            self._tenants_total += tenants
+            self._multi_tenant_passes += int(tenants > 1)
+            self._tokens += tokens
+            self._last_tokens_per_s = rate
+            self._busy_s += seconds
+        return rate
+
+    def record_barrier(self, seconds: float) -> None:
+        with self._lock:
+            self._barriers += 1
+            self._busy_s += seconds
+
+    def record_sample_batch(self, seconds: float) -> None:
+        with self._lock:
+            self._sample_batches += 1
+            self._busy_s += seconds
+
+    def record_completions(self, completions: Sequence[Completion]) -> None:
+        failed = sum(c.is_error for c in completions)
+        with self._lock:
+            self._completed += len(completions) - failed
+            self._failed += failed
+
+    def record_scheduler(self, stats: SchedulerStats, queue_depth: int) -> None:
+        """Take the scheduler's gauges (only the loop thread may ask the scheduler)."""
+        with self._lock:
+            self._queued = queue_depth + sum(stats.queued_by_tenant.values())
+
+    def snapshot(self, running: bool) -> RuntimeStats:
+        with self._lock:
+            return RuntimeStats(
+                base_model=self._base_model,
+                running=running,
+                passes=self._passes,
+                multi_tenant_passes=self._multi_tenant_passes,
+                tenants_per_pass_total=self._tenants_total,
+                tokens=self._tokens,
+                barriers=self._barriers,
+                sample_batches=self._sample_batches,
+                requests_completed=self._completed,
+                requests_failed=self._failed,
+                last_pass_tokens_per_s=self._last_tokens_per_s,
+                busy_seconds=self._busy_s,
+                queued=self._queued,
+            )
