@@ -13,6 +13,8 @@ from typing import NoReturn
 
 import typer
 
+from deploy.commands import register as register_service_commands
+
 app = typer.Typer(no_args_is_help=True, help="Carpool: multi-tenant LoRA training on a shared base model.")
 
 
@@ -69,6 +71,7 @@ def _fail(message: str) -> NoReturn:
 
 app.command("dev-model")(dev_model)
 app.command("fetch-model")(fetch_model)
+register_service_commands(app)
 
 
 def main() -> None:

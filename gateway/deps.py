@@ -7,16 +7,22 @@ several apps can live in one process (tests do this).
 JSON bodies are read raw and validated with `services.wire.parse_request` rather than as FastAPI body
 parameters: one validation path for every client, `WireError`s that carry `model_id` / `seq_id` so a
 rejected training submission can still consume its seq_id, and the body-size limit applied first.
-The OpenAPI schema still documents each body (see `gateway.openapi`).
+Because FastAPI cannot see those bodies, a route marks its endpoint with `@documents_body(Model)` (or
+`(content_type, Model | None)` pairs, None = opaque binary such as protobuf) and `install_openapi` adds
+the matching `requestBody` to the OpenAPI schema, nested models under `components.schemas`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
-from pydantic import BaseModel
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.routing import BaseRoute
 
 from gateway.auth import API_KEY_HEADER, Authenticator, CredentialError, credential_from_headers
 from gateway.rendering import SampleRenderCache
@@ -93,3 +99,70 @@ PublicBaseUrl = Annotated[str, Depends(public_base_url)]
 def parse_body(model: type[ModelT], body: bytes) -> ModelT:
     """Validate a JSON body into a wire model; an empty body counts as `{}` (all-default bodies)."""
     return parse_request(model, body if body.strip() else b"{}")
+
+
+# -- OpenAPI for hand-parsed bodies ------------------------------------------------------------
+F = TypeVar("F", bound=Callable[..., Any])
+BodySpec = tuple[str, type[BaseModel] | None]
+_BODY_ATTR = "__carpool_request_body__"
+JSON = "application/json"
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+def documents_body(*specs: type[BaseModel] | BodySpec) -> Callable[[F], F]:
+    """Mark an endpoint as taking these bodies (a bare model means `application/json`)."""
+    normalized: list[BodySpec] = [(JSON, s) if isinstance(s, type) else s for s in specs]
+
+    def mark(endpoint: F) -> F:
+        setattr(endpoint, _BODY_ATTR, tuple(normalized))
+        return endpoint
+
+    return mark
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Replace `app.openapi` with a generator that also documents hand-parsed bodies."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _build(app: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    components: dict[str, Any] = schema.setdefault("components", {}).setdefault("schemas", {})
+    for route in _api_routes(app.routes):
+        specs: tuple[BodySpec, ...] | None = getattr(route.endpoint, _BODY_ATTR, None)
+        if not specs:
+            continue
+        content = {ctype: {"schema": _schema_ref(model, components)} for ctype, model in specs}
+        for method in route.methods:
+            operation = schema["paths"].get(route.path_format, {}).get(method.lower())
+            if operation is not None:
+                operation["requestBody"] = {"required": True, "content": content}
+    return schema
+
+
+def _api_routes(routes: Iterable[BaseRoute]) -> Iterator[APIRoute]:
+    """Every `APIRoute`, also inside included routers (recent FastAPI keeps them nested)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        nested = getattr(route, "original_router", None)
+        if nested is not None:
+            yield from _api_routes(nested.routes)
+
+
+def _schema_ref(model: type[BaseModel] | None, components: dict[str, Any]) -> dict[str, Any]:
+    if model is None:
+        return {"type": "string", "format": "binary"}
+    if model.__name__ not in components:
+        js = model.model_json_schema(ref_template=REF_TEMPLATE)
+        components.update(js.pop("$defs", {}))
+        components[model.__name__] = js
+    return {"$ref": REF_TEMPLATE.format(model=model.__name__)}

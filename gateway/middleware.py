@@ -8,20 +8,29 @@ A plain ASGI class (not `BaseHTTPMiddleware`, which buffers and interferes with 
 - records per-route counts and latency in `RouteMetrics`;
 - turns an unexpected exception into a JSON 500 that says nothing about internals (the traceback is
   logged with the request id; headers are never logged).
+
+`RouteMetrics` (one per app, `app.state.metrics`) is rendered in the Prometheus text format at `/metrics`,
+followed by the control plane's scheduler counters (`render_runtime`) when it exposes them. Routes are
+labelled by their template (`/api/v1/samplers/{sampler_id:path}`), never the raw path, so ids cannot blow
+up the label set; unmatched paths share one label.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 import time
 import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import BodyTooLarge, body_too_large_response, error_response
-from gateway.metrics import UNMATCHED_ROUTE, RouteMetrics
+from services.control.api import RuntimeStats
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +125,123 @@ def _limited_receive(receive: Receive, limit: int) -> Receive:
         return message
 
     return limited
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+LATENCY_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Upper bounds of the latency histogram; long-polls land in the 30 s bucket by design."""
+UNMATCHED_ROUTE = "<unmatched>"
+
+RouteKey = tuple[str, str]
+"""(method, route template)."""
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    total: int = 0
+    sum_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+        if index < len(self.counts):
+            self.counts[index] += 1
+        self.total += 1
+        self.sum_s += seconds
+
+
+class RouteMetrics:
+    """Counters for one app; single event loop, so no locking."""
+
+    def __init__(self) -> None:
+        self._requests: defaultdict[tuple[str, str, int], int] = defaultdict(int)
+        self._latency: defaultdict[RouteKey, _Histogram] = defaultdict(_Histogram)
+        self._in_flight = 0
+
+    def started(self) -> None:
+        self._in_flight += 1
+
+    def finished(self, method: str, route: str, status: int, seconds: float) -> None:
+        self._in_flight -= 1
+        self._requests[(method, route, status)] += 1
+        self._latency[(method, route)].observe(seconds)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def count(self, method: str, route: str, status: int | None = None) -> int:
+        """Requests seen for a route (optionally only those answered with `status`)."""
+        return sum(n for (m, r, s), n in self._requests.items() if m == method and r == route
+                   and (status is None or s == status))
+
+    def render(self) -> str:
+        """Prometheus text exposition (format 0.0.4)."""
+        lines = [
+            "# HELP carpool_http_requests_total HTTP requests by method, route template and status.",
+            "# TYPE carpool_http_requests_total counter",
+        ]
+        for (method, route, status), n in sorted(self._requests.items()):
+            lines.append(f'carpool_http_requests_total{{{_labels(method, route)},status="{status}"}} {n}')
+        lines += [
+            "# HELP carpool_http_request_duration_seconds Time from request start to response end.",
+            "# TYPE carpool_http_request_duration_seconds histogram",
+        ]
+        for (method, route), hist in sorted(self._latency.items()):
+            lines.extend(_histogram_lines(_labels(method, route), hist))
+        lines += [
+            "# HELP carpool_http_requests_in_flight Requests being handled now (long-polls included).",
+            "# TYPE carpool_http_requests_in_flight gauge",
+            f"carpool_http_requests_in_flight {self._in_flight}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _labels(method: str, route: str) -> str:
+    return f'method="{method}",route="{_escape(route)}"'
+
+
+def _histogram_lines(labels: str, hist: _Histogram) -> list[str]:
+    name = "carpool_http_request_duration_seconds"
+    lines = []
+    cumulative = 0
+    for bound, n in zip(LATENCY_BUCKETS_S, hist.counts, strict=True):
+        cumulative += n
+        lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
+    lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {hist.total}')
+    lines.append(f"{name}_sum{{{labels}}} {hist.sum_s:.6f}")
+    lines.append(f"{name}_count{{{labels}}} {hist.total}")
+    return lines
+
+
+RUNTIME_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("passes", "counter", "Engine passes run."),
+    ("multi_tenant_passes", "counter", "Passes that carried more than one tenant's requests."),
+    ("tenants_per_pass_total", "counter", "Sum over passes of their tenant count."),
+    ("tokens", "counter", "Tokens processed by forward/backward passes."),
+    ("barriers", "counter", "Barriers run (optim_step, saves, loads)."),
+    ("sample_batches", "counter", "Sampling batches run."),
+    ("requests_completed", "counter", "Requests finished successfully."),
+    ("requests_failed", "counter", "Requests finished with an error."),
+    ("busy_seconds", "counter", "Seconds spent running passes."),
+    ("last_pass_tokens_per_s", "gauge", "Throughput of the last pass."),
+    ("queued", "gauge", "Requests waiting in the queue or the scheduler."),
+)
+
+
+def render_runtime(stats: Sequence[RuntimeStats]) -> str:
+    """The scheduler loops' counters (when the control plane exposes them) in Prometheus text."""
+    lines: list[str] = []
+    for field_name, kind, help_text in RUNTIME_COUNTERS:
+        metric = f"carpool_runtime_{field_name}"
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
+        for s in stats:
+            lines.append(f'{metric}{{base_model="{_escape(s.base_model)}"}} {getattr(s, field_name)}')
+    lines += ["# HELP carpool_runtime_running Whether the base model's scheduler loop runs.",
+              "# TYPE carpool_runtime_running gauge"]
+    lines += [f'carpool_runtime_running{{base_model="{_escape(s.base_model)}"}} {int(s.running)}' for s in stats]
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')

@@ -27,6 +27,7 @@ from services.control.api import (
     ModelCreated,
     OptimStepDone,
     SamplerRef,
+    WeightsLoaded,
 )
 from services.domain.sampling import SampleResult
 from services.domain.training import ForwardBackwardResult, OptimStepResult
@@ -121,14 +122,20 @@ def result_payload(done: Done, options: SampleRenderOptions = DEFAULT_SAMPLE_REN
     return payload
 
 
+_MODEL_ANSWERS: dict[str, type[CreateModelResponse | LoadWeightsResponse | UnloadModelResponse]] = {
+    "create_model": CreateModelResponse,
+    "load_weights": LoadWeightsResponse,
+    "unload_model": UnloadModelResponse,
+}
+
+
 def _model_payload(kind: str, result: object) -> BaseModel | None:
     """JSON results of the model-lifecycle and checkpoint kinds."""
     if isinstance(result, ModelCreated):
-        return {
-            "create_model": CreateModelResponse(model_id=result.model_id),
-            "load_weights": LoadWeightsResponse(model_id=result.model_id),
-            "unload_model": UnloadModelResponse(model_id=result.model_id),
-        }.get(kind)
+        model_answer = _MODEL_ANSWERS.get(kind)
+        return None if model_answer is None else model_answer(model_id=result.model_id)
+    if isinstance(result, WeightsLoaded) and kind == "load_weights":
+        return LoadWeightsResponse(path=result.tinker_path, model_id=result.model_id)
     if isinstance(result, SamplerRef) and kind == "save_weights_for_sampler":
         return SaveWeightsForSamplerResponseInternal(sampling_session_id=result.sampling_session_id)
     if isinstance(result, CheckpointRef):

@@ -1,22 +1,26 @@
-"""Client plumbing of the Tinker API: client config, sessions, heartbeat, telemetry, capabilities, health,
-and the key endpoints of the `tinker auth` CLI.
+"""Client plumbing of the Tinker API: client config, sessions (create, heartbeat, finish, and the
+`RestClient` listing), telemetry, capabilities, health, and the key endpoints of the `tinker auth` CLI.
 
 `client/config` is the first request of every SDK client (a 404 there breaks client construction); its
-flags come from `GatewaySettings`. JWT exchange is off, so `auth/token` answers a clear 404 (a 5xx would
-be retried by the SDK for minutes). Everything but `healthz` needs an API key.
+flags come from `GatewaySettings`. Everything but `healthz` needs an API key.
+
+Not served, answered with a JSON 404 naming the feature (404 rather than 501 because the SDK retries every
+5xx for minutes): JWT exchange (`auth/token`; `client/config` says it is off), moving a session to a
+project, session trace export and search, and the `AdminClient` audit / billing endpoints (a tenant's own
+usage is at `GET /v1/usage`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from gateway.deps import Auth, Control, CurrentTenant, RawBody, SettingsDep, parse_body
+from gateway.deps import Auth, Control, CurrentTenant, RawBody, SettingsDep, documents_body, parse_body
 from gateway.errors import unsupported
-from gateway.openapi import documents_body
 from gateway.rendering import wire_json
 from gateway.settings import GatewaySettings
 from services.db.ids import SessionId
@@ -34,7 +38,15 @@ from services.wire.responses import (
     SessionHeartbeatResponse,
     TelemetryResponse,
 )
-from services.wire.rest import GetServerCapabilitiesResponse, HealthResponse, SupportedModel
+from services.wire.rest import (
+    AccessScope,
+    AssignSessionProjectRequest,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    HealthResponse,
+    ListSessionsResponse,
+    SupportedModel,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/v1", tags=["service"])
@@ -199,3 +211,69 @@ async def revoke_own_api_key(tenant: CurrentTenant, auth: Auth) -> JSONResponse:
 async def auth_token() -> JSONResponse:
     """JWT exchange; off here (`client/config` says `pjwt_auth_enabled: false`)."""
     raise unsupported("JWT exchange (auth/token)", "send the API key itself in X-API-Key")
+
+
+# -- sessions (RestClient) and unserved admin endpoints ------------------------------------------
+DEFAULT_SESSIONS_LIMIT = 20
+
+
+@router.get("/sessions", tags=["sessions"], response_model=ListSessionsResponse)
+async def list_sessions(
+    tenant: CurrentTenant, control: Control,
+    limit: Annotated[int, Query(ge=1, le=1000)] = DEFAULT_SESSIONS_LIMIT,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    access_scope: AccessScope = "owned",
+) -> JSONResponse:
+    """The caller's session ids, newest first."""
+    del access_scope
+    session_ids, _ = await control.list_sessions(tenant, limit, offset)
+    return wire_json(ListSessionsResponse(sessions=list(session_ids)))
+
+
+@router.get("/sessions/{session_id}", tags=["sessions"], response_model=GetSessionResponse)
+async def get_session(
+    session_id: str, tenant: CurrentTenant, control: Control, access_scope: AccessScope = "owned"
+) -> JSONResponse:
+    """A session's training runs and sampling sessions."""
+    del access_scope
+    view = await control.get_session(tenant, SessionId(session_id))
+    return wire_json(GetSessionResponse(
+        training_run_ids=list(view.training_run_ids), sampler_ids=list(view.sampler_ids),
+        user_metadata=view.user_metadata or None,
+    ))
+
+
+@router.put("/sessions/{session_id}/project")
+@documents_body(AssignSessionProjectRequest)
+async def assign_session_project(
+    session_id: str, tenant: CurrentTenant, control: Control, body: RawBody
+) -> JSONResponse:
+    parse_body(AssignSessionProjectRequest, body)
+    await control.get_session(tenant, SessionId(session_id))
+    raise unsupported("projects")
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def export_session_trace(session_id: str, tenant: CurrentTenant, control: Control) -> JSONResponse:
+    await control.get_session(tenant, SessionId(session_id))
+    raise unsupported("session trace export")
+
+
+@router.post("/sessions/search")
+async def search_sessions(_: CurrentTenant) -> JSONResponse:
+    raise unsupported("session search", "list sessions with GET /api/v1/sessions")
+
+
+@router.get("/audit", tags=["admin"])
+async def audit_log(_: CurrentTenant) -> JSONResponse:
+    raise unsupported("the admin audit log")
+
+
+@router.get("/billing/usage/events", tags=["admin"])
+async def billing_usage_events(_: CurrentTenant) -> JSONResponse:
+    raise unsupported("billing usage events", "a tenant's own usage is at GET /v1/usage")
+
+
+@router.get("/billing/usage/checkpoints/current", tags=["admin"])
+async def billing_checkpoint_usage(_: CurrentTenant) -> JSONResponse:
+    raise unsupported("billing checkpoint usage", "a tenant's own usage is at GET /v1/usage")

@@ -116,7 +116,7 @@ class OptimStepDone:
 
 @dataclass(frozen=True)
 class WeightsLoaded:
-    """`load_weights` finished: `model_id` now holds the checkpoint at `tinker_path` (added for the runtime)."""
+    """`load_weights` finished: `model_id` now holds the checkpoint at `tinker_path`."""
 
     model_id: ModelId
     tinker_path: str

@@ -63,7 +63,13 @@ def _is_sqlite_memory(url: URL) -> bool:
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """An engine for `url`; on SQLite it enables WAL, foreign keys and a busy timeout on every connection."""
+    """An engine for `url`; on SQLite it enables WAL, foreign keys and a busy timeout on every connection.
+
+    SQLite keeps pysqlite's default transaction handling (a transaction opens at the first write, so reads
+    never hold a lock that a later write would have to upgrade). The repositories are written for that:
+    each state change is one conditional UPDATE or INSERT (a read before it only produces a friendlier
+    error; unique constraints remain the backstop), and they use no savepoints.
+    """
     parsed = make_url(normalize_database_url(url))
     if parsed.get_backend_name() != "sqlite":
         # pre_ping: a pooled connection may have been closed by a PostgreSQL restart or an idle timeout.
@@ -74,7 +80,8 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         "connect_args": {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
     }
     if _is_sqlite_memory(parsed):
-        # Every new connection to :memory: is a new empty database; share one connection instead.
+        # Every new connection to :memory: is a new empty database; share one connection instead
+        # (fine for tests and one-off tools, not for concurrent use).
         kwargs["poolclass"] = StaticPool
     else:
         Path(str(parsed.database)).parent.mkdir(parents=True, exist_ok=True)

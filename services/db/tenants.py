@@ -7,7 +7,7 @@ deliberately unscoped read: they are how a request's tenant is determined in the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -135,7 +135,7 @@ def revoke_api_keys_by_prefix(
 
 def touch_api_key(db: Session, key_id: ApiKeyId, *, now: datetime, min_interval_s: float = 60.0) -> None:
     """Record a use of the key, at most once per `min_interval_s` (so auth is not a write per request)."""
-    cutoff = datetime.fromtimestamp(now.timestamp() - min_interval_s, tz=now.tzinfo)
+    cutoff = now - timedelta(seconds=min_interval_s)
     stmt = update(ApiKeyRow).where(
         ApiKeyRow.id == key_id, or_(ApiKeyRow.last_used_at.is_(None), ApiKeyRow.last_used_at < cutoff)
     )

@@ -18,28 +18,41 @@ from worker.engine.adapters import AdapterState
 
 
 def adamw_step(adapter: AdapterState, hp: AdamParams) -> dict[str, float]:
-    """Apply one AdamW step with `hp` to every parameter that has a gradient; then zero gradients."""
+    """Apply one AdamW step with `hp` to every parameter that has a gradient; then zero gradients.
+
+    The global gradient norm is computed only when clipping needs it: it is a full extra read of the
+    gradients, a cost every tenant would pay on every step for a metric.
+    """
     names = [k for k in sorted(adapter.params) if adapter.params[k].grad is not None]
+    metrics = {"learning_rate:mean": hp.learning_rate}
     if not names:
         adapter.zero_grad()
-        return {"grad_norm:mean": 0.0, "learning_rate:mean": hp.learning_rate}
+        return metrics
     params = [adapter.params[n] for n in names]
     grads = [p.grad for p in params]
-    grad_norm = _global_grad_norm(grads)
-    clip = _clip_coefficient(grad_norm, hp.grad_clip_norm)
     state = adapter.optimizer
     state.step += 1
-    m = [state.exp_avg.setdefault(n, torch.zeros_like(p)) for n, p in zip(names, params, strict=True)]
-    v = [state.exp_avg_sq.setdefault(n, torch.zeros_like(p)) for n, p in zip(names, params, strict=True)]
+    m, v = _moments(state.exp_avg, names, params), _moments(state.exp_avg_sq, names, params)
     with torch.no_grad():
-        if clip != 1.0:
-            grads = torch._foreach_mul(grads, clip)
+        if hp.grad_clip_norm > 0:
+            grad_norm = _global_grad_norm(grads)
+            metrics["grad_norm:mean"] = grad_norm
+            clip = _clip_coefficient(grad_norm, hp.grad_clip_norm)
+            if clip != 1.0:
+                grads = torch._foreach_mul(grads, clip)
         if _HAS_FUSED:
             _fused_update(params, grads, m, v, hp, state.step)
         else:
             _update(params, grads, m, v, hp, state.step)
     adapter.zero_grad()
-    return {"grad_norm:mean": grad_norm, "learning_rate:mean": hp.learning_rate}
+    return metrics
+
+
+def _moments(store: dict[str, torch.Tensor], names: list[str], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    for name, p in zip(names, params, strict=True):
+        if name not in store:
+            store[name] = torch.zeros_like(p)
+    return [store[n] for n in names]
 
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")

@@ -1,0 +1,137 @@
+"""Operator actions on a Carpool database: migrations, tenants and API keys, and the first-start admin.
+
+The bodies of `carpool migrate`, `carpool tenants ...` and `carpool keys ...` (the typer wrappers live in
+`deploy.commands`), plus `bootstrap_admin`, which `carpool serve` runs on every start. Keys are returned
+to the caller to print once; nothing here logs a key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+from sqlalchemy import func, select
+
+from deploy.settings import ServiceSettings
+from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key, issue_api_key
+from services.db import Database, open_database
+from services.db.engine import is_sqlite
+from services.db.errors import ConflictError
+from services.db.ids import TenantId
+from services.db.models import ApiKeyRow, TenantRow
+from services.db.schema import head_revision, upgrade_to_head
+from services.db.tenants import (
+    TenantQuotas,
+    get_tenant,
+    get_tenant_by_name,
+    list_tenants,
+    revoke_api_keys_by_prefix,
+)
+
+ADMIN_TENANT = "admin"
+
+
+class AdminError(Exception):
+    """An operator action that cannot be done as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class TenantSummary:
+    id: str
+    name: str
+    is_admin: bool
+    disabled: bool
+    live_keys: int
+    max_models: int | None
+
+
+def open_admin_database(settings: ServiceSettings) -> Database:
+    """The configured database; a SQLite file is migrated on the spot (single node, nothing to coordinate)."""
+    url = settings.resolved_database_url()
+    if is_sqlite(url):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return open_database(url, migrate=is_sqlite(url))
+
+
+def migrate(settings: ServiceSettings) -> str:
+    """Upgrade the configured database to the newest schema; returns that revision."""
+    url = settings.resolved_database_url()
+    if is_sqlite(url):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_to_head(url)
+    return head_revision()
+
+
+def create_tenant(settings: ServiceSettings, name: str, *, is_admin: bool = False,
+                  max_models: int | None = None) -> tuple[Tenant, IssuedKey]:
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            return create_tenant_with_key(session, name, is_admin=is_admin,
+                                          quotas=TenantQuotas(max_models=max_models))
+    except ConflictError as exc:
+        raise AdminError(str(exc)) from exc
+    finally:
+        db.dispose()
+
+
+def tenant_summaries(settings: ServiceSettings) -> list[TenantSummary]:
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            live = dict(session.execute(
+                select(ApiKeyRow.tenant_id, func.count()).where(ApiKeyRow.revoked_at.is_(None))
+                .group_by(ApiKeyRow.tenant_id)
+            ).all())
+            return [_summary(row, int(live.get(row.id, 0))) for row in list_tenants(session, limit=1000)]
+    finally:
+        db.dispose()
+
+
+def create_key(settings: ServiceSettings, tenant: str) -> tuple[str, IssuedKey]:
+    """A new key for the tenant named (or with the id) `tenant`; returns (tenant name, key)."""
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            row = get_tenant_by_name(session, tenant) or get_tenant(session, TenantId(tenant))
+            if row is None:
+                raise AdminError(f"no tenant named {tenant!r}; see `carpool tenants list`")
+            return row.name, issue_api_key(session, TenantId(row.id), label="cli")
+    finally:
+        db.dispose()
+
+
+def revoke_keys(settings: ServiceSettings, prefix: str) -> int:
+    """Revoke every live key whose display prefix is `prefix`; returns how many."""
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            owners = session.scalars(
+                select(ApiKeyRow.tenant_id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
+            ).all()
+            if not owners:
+                raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
+                                 "key (e.g. tml-AbCdEfGh)")
+            return sum(revoke_api_keys_by_prefix(session, TenantId(t), prefix) for t in set(owners))
+    finally:
+        db.dispose()
+
+
+def bootstrap_admin(db: Database, out: TextIO) -> bool:
+    """On a database without an admin tenant, create `admin` and print its key to `out` (once, ever).
+
+    Returns whether it did. The key goes to `out` only, never to a log.
+    """
+    with db.sessions.begin() as session:
+        has_admin = session.scalar(select(func.count()).where(TenantRow.is_admin.is_(True)))
+        if has_admin or get_tenant_by_name(session, ADMIN_TENANT) is not None:
+            return False
+        _, issued = create_tenant_with_key(session, ADMIN_TENANT, is_admin=True)
+    out.write("Created the admin tenant. Its API key is shown this once; store it now:\n")
+    out.write(issued.key + "\n")
+    out.flush()
+    return True
+
+
+def _summary(row: TenantRow, live_keys: int) -> TenantSummary:
+    return TenantSummary(row.id, row.name, row.is_admin, row.disabled, live_keys, row.max_models)

@@ -1,0 +1,145 @@
+"""The service commands of the `carpool` CLI: `serve`, `migrate`, `tenants ...` and `keys ...`.
+
+Thin typer wrappers: options become `ServiceSettings` overrides (so `--data-dir` beats
+`$CARPOOL_DATA_DIR`, which beats the default `./data`; `$CARPOOL_DATABASE_URL` picks another database),
+the work happens in `deploy.admin` and `deploy.embedded`. A new API key is printed on the LAST line of
+the output, alone, so scripts can take it with `tail -n 1`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+from deploy.settings import ServiceSettings
+
+DATA_DIR_HELP = "State directory (database, checkpoints) [env: CARPOOL_DATA_DIR; default: ./data]."
+
+tenants_app = typer.Typer(no_args_is_help=True, help="Manage tenants (accounts).")
+keys_app = typer.Typer(no_args_is_help=True, help="Manage API keys.")
+
+
+def _data_dir_option() -> Any:
+    return typer.Option(None, "--data-dir", help=DATA_DIR_HELP, show_default=False)
+
+
+def _settings(**overrides: Any) -> ServiceSettings:
+    """Settings from the environment, with the options the user actually passed on top."""
+    from pydantic import ValidationError
+
+    from deploy.embedded import install_key_redaction
+
+    install_key_redaction()
+    try:
+        return ServiceSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        _fail(f"invalid settings: {exc}")
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def serve(
+    base_model: list[str] | None = typer.Option(
+        None, "--base-model", help="Serve NAME=SOURCE (repeatable) [env: CARPOOL_BASE_MODELS]."
+    ),
+    host: str | None = typer.Option(None, help="Bind address [env: CARPOOL_HOST; default 127.0.0.1]."),
+    port: int | None = typer.Option(None, help="Port [env: CARPOOL_PORT; default 8000]."),
+    data_dir: Path | None = _data_dir_option(),
+    device: str | None = typer.Option(None, help="Torch device [env: CARPOOL_DEVICE]."),
+    dtype: str | None = typer.Option(None, help="Torch dtype [env: CARPOOL_DTYPE]."),
+) -> None:
+    """Run the whole service in this process: HTTP gateway, scheduler and one worker per base model."""
+    from deploy.embedded import StartupError
+    from deploy.embedded import serve as run_service
+
+    settings = _settings(base_models=base_model or None, host=host, port=port, data_dir=data_dir,
+                         device=device, dtype=dtype)
+    try:
+        run_service(settings)
+    except StartupError as exc:
+        _fail(str(exc))
+
+
+def migrate(data_dir: Path | None = _data_dir_option()) -> None:
+    """Upgrade the configured database to the current schema (run once per release in production)."""
+    from deploy.admin import migrate as run_migrate
+
+    settings = _settings(data_dir=data_dir)
+    typer.echo(f"database at revision {run_migrate(settings)}")
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: str = typer.Argument(..., help="Unique tenant name."),
+    admin: bool = typer.Option(False, "--admin", help="Give the tenant admin rights."),
+    max_models: int | None = typer.Option(None, help="Most models the tenant may hold at once."),
+    data_dir: Path | None = _data_dir_option(),
+) -> None:
+    """Create a tenant with a first API key; the key is printed once, alone on the last line."""
+    from deploy.admin import AdminError, create_tenant
+
+    try:
+        settings = _settings(data_dir=data_dir)
+        tenant, issued = create_tenant(settings, name, is_admin=admin, max_models=max_models)
+    except AdminError as exc:
+        _fail(str(exc))
+    role = "admin tenant" if tenant.is_admin else "tenant"
+    typer.echo(f"created {role} {tenant.name} ({tenant.id}); its API key is shown this once:")
+    typer.echo(issued.key)
+
+
+@tenants_app.command("list")
+def tenants_list(data_dir: Path | None = _data_dir_option()) -> None:
+    """List tenants with their live key counts."""
+    from deploy.admin import tenant_summaries
+
+    rows = tenant_summaries(_settings(data_dir=data_dir))
+    typer.echo(f"{'NAME':<24} {'ID':<32} {'ADMIN':<6} {'DISABLED':<9} {'KEYS':<5} MAX_MODELS")
+    for t in rows:
+        limit = "-" if t.max_models is None else str(t.max_models)
+        typer.echo(f"{t.name:<24} {t.id:<32} {str(t.is_admin).lower():<6} {str(t.disabled).lower():<9} "
+                   f"{t.live_keys:<5} {limit}")
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: str = typer.Argument(..., help="Tenant name (or id)."),
+    data_dir: Path | None = _data_dir_option(),
+) -> None:
+    """Issue another API key for a tenant; printed once, alone on the last line."""
+    from deploy.admin import AdminError, create_key
+
+    try:
+        name, issued = create_key(_settings(data_dir=data_dir), tenant)
+    except AdminError as exc:
+        _fail(str(exc))
+    typer.echo(f"new API key for {name} (prefix {issued.prefix}); it is shown this once:")
+    typer.echo(issued.key)
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_prefix: str = typer.Argument(..., help="The key's 12-character prefix (e.g. tml-AbCdEfGh)."),
+    data_dir: Path | None = _data_dir_option(),
+) -> None:
+    """Revoke API keys by their display prefix."""
+    from deploy.admin import AdminError, revoke_keys
+
+    try:
+        count = revoke_keys(_settings(data_dir=data_dir), key_prefix)
+    except AdminError as exc:
+        _fail(str(exc))
+    typer.echo(f"revoked {count} key{'s' if count != 1 else ''}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the `carpool` app."""
+    app.command("serve")(serve)
+    app.command("migrate")(migrate)
+    app.add_typer(tenants_app, name="tenants")
+    app.add_typer(keys_app, name="keys")

@@ -1,0 +1,179 @@
+"""The embedded deployment: the whole service in one process (`carpool serve`).
+
+    settings ─▶ logging (API keys redacted) ─▶ base models resolved ─▶ database migrated, admin bootstrapped
+             ─▶ one Engine + SchedulerLoop per base model ─▶ in-process queue / results / notifier
+             ─▶ local checkpoint store with a persistent signing secret ─▶ ServiceControlPlane
+             ─▶ gateway.app.create_app(GatewaySettings, control, DatabaseAuthenticator) ─▶ uvicorn
+
+This is the composition root: the only place that sees both `gateway` and `worker`. Production wiring
+(Redis, Postgres, separate workers) reuses the same parts with other implementations.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from deploy.admin import bootstrap_admin
+from deploy.settings import BaseModelSpec, ServiceSettings
+from services.auth.log_redaction import RedactApiKeysFilter
+from services.control.context import ControlOptions
+from services.control.plane import ServiceControlPlane
+from services.control.recording import DatabaseCompletionHook
+from services.control.registry import ServedModel
+from services.db import Database, open_database
+from services.db.request_log import fail_unfinished_requests
+from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
+from services.runtime import LoopConfig, SchedulerLoop
+from services.scheduler import Scheduler, SchedulerLimits
+from services.storage import LocalCheckpointStore, UrlSigner, load_or_create_secret, safe_component
+
+log = logging.getLogger(__name__)
+
+RESTART_ERROR = "the server restarted before this request finished; submit it again"
+
+
+class StartupError(RuntimeError):
+    """Something that keeps the service from starting; the message says what to do about it."""
+
+
+@dataclass
+class EmbeddedService:
+    """Everything `carpool serve` runs, built but not started."""
+
+    settings: ServiceSettings
+    db: Database
+    control: ServiceControlPlane
+    loops: list[SchedulerLoop] = field(default_factory=list)
+    engines: dict[str, Any] = field(default_factory=dict)
+
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+
+    def stop(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+        self.db.dispose()
+
+
+def install_key_redaction() -> None:
+    """Redact API keys from every log record. Handler filters see records of all loggers (a filter on a
+    logger only sees that logger's own records), so the filter goes on the root logger and its handlers."""
+    root = logging.getLogger()
+    for target in (root, *root.handlers):
+        if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):
+            target.addFilter(RedactApiKeysFilter())
+
+
+def resolve_base_models(settings: ServiceSettings) -> list[tuple[BaseModelSpec, Path]]:
+    """Each served base model's local directory (downloading or converting on first use)."""
+    from worker.models.sources import ModelSourceError, resolve_model_source
+
+    resolved = []
+    for spec in settings.served_base_models():
+        log.info("resolving base model %s from %s ...", spec.name, spec.source)
+        started = time.perf_counter()
+        try:
+            path = resolve_model_source(spec.source, settings.models_dir)
+        except ModelSourceError as exc:
+            raise StartupError(
+                f"base model {spec.name}: cannot resolve source {spec.source!r}: {exc}\n"
+                f"Fix: pass --base-model {spec.name}=SOURCE with a local model directory, hf://org/name, "
+                "gguf://file.gguf or a built-in alias (smollm2-135m), or set CARPOOL_BASE_MODELS."
+            ) from exc
+        log.info("base model %s ready at %s (%.1f s)", spec.name, path, time.perf_counter() - started)
+        resolved.append((spec, path))
+    return resolved
+
+
+def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> EmbeddedService:
+    """Build the service (models loaded, database ready); `start()` then runs its scheduler loops."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    models = resolve_base_models(settings)
+    db = open_database(settings.resolved_database_url(), migrate=True)
+    with db.sessions.begin() as session:
+        failed = fail_unfinished_requests(session, error=RESTART_ERROR, category="server")
+    if failed:
+        log.warning("marked %d requests left unfinished by the previous run as failed", failed)
+    bootstrap_admin(db, out or sys.stdout)
+    queue, results, notifier = InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier()
+    engines: dict[str, Any] = {}
+    loops: list[SchedulerLoop] = []
+    served = []
+    for spec, path in models:
+        engine = _engine(settings, spec, path)
+        loop = SchedulerLoop(spec.name, engine, queue, results, notifier, scheduler=_scheduler(settings),
+                             hook=DatabaseCompletionHook(db),
+                             config=LoopConfig(batch_window_s=settings.batch_window_ms / 1000))
+        engines[spec.name] = engine
+        loops.append(loop)
+        served.append(ServedModel(engine.info, engine.limits, queue=spec.name,
+                                  max_tokens_per_request=settings.max_tokens_per_step,
+                                  max_lora_rank=settings.max_lora_rank, stats=loop.stats))
+    control = ServiceControlPlane(db, queue, results, notifier, _checkpoint_store(settings), served,
+                                  _control_options(settings))
+    return EmbeddedService(settings, db, control, loops, engines)
+
+
+def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:
+    from worker.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(max_tokens_per_pass=settings.max_tokens_per_pass,
+                          max_resident_adapters=settings.max_resident_adapters,
+                          spill_dir=settings.spill_dir / safe_component(spec.name),
+                          device=settings.device, dtype=settings.dtype)
+    return Engine(path, name=spec.name, config=config)
+
+
+def _scheduler(settings: ServiceSettings) -> Scheduler:
+    return Scheduler(SchedulerLimits(max_tokens_per_pass=settings.max_tokens_per_step,
+                                     max_adapters_per_pass=settings.max_adapters_per_pass))
+
+
+def _checkpoint_store(settings: ServiceSettings) -> LocalCheckpointStore:
+    signer = UrlSigner(load_or_create_secret(settings.signing_secret_path))
+    return LocalCheckpointStore(settings.checkpoints_dir, signer)
+
+
+def _control_options(settings: ServiceSettings) -> ControlOptions:
+    return ControlOptions(long_poll_max_s=settings.long_poll_seconds,
+                          download_url_ttl_s=float(settings.download_url_ttl_seconds),
+                          default_max_models=settings.default_max_models_per_tenant,
+                          scratch_dir=settings.scratch_dir)
+
+
+def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> Any:
+    """The FastAPI app: `gateway.app.create_app(GatewaySettings, control, DatabaseAuthenticator)`."""
+    try:
+        from gateway.app import create_app
+        from gateway.auth import DatabaseAuthenticator
+        from gateway.settings import GatewaySettings
+    except ImportError as exc:
+        raise StartupError(f"the HTTP gateway is not available in this checkout ({exc})") from exc
+    # The gateway reads its other CARPOOL_* settings itself; the long-poll must agree with our cap.
+    gateway_settings = GatewaySettings(long_poll_seconds=settings.long_poll_seconds)
+    auth = DatabaseAuthenticator(service.db, cache_seconds=gateway_settings.auth_cache_seconds,
+                                 cache_size=gateway_settings.auth_cache_size)
+    return create_app(gateway_settings, service.control, auth)
+
+
+def serve(settings: ServiceSettings) -> None:
+    """Build, start and serve until interrupted; the scheduler loops stop gracefully afterwards."""
+    import uvicorn
+
+    install_key_redaction()
+    logging.getLogger().setLevel(settings.log_level.upper())
+    service = build_embedded(settings)
+    app = build_gateway_app(settings, service)
+    service.start()
+    try:
+        log.info("serving %s on http://%s:%d", ", ".join(service.engines), settings.host, settings.port)
+        # log_config=None: uvicorn's loggers propagate to ours, so their records are redacted too.
+        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None)
+    finally:
+        service.stop()

@@ -1,0 +1,133 @@
+"""`ServiceSettings`: every knob of a Carpool service process, from `CARPOOL_*` environment variables.
+
+Built on demand (`ServiceSettings()` reads the environment then; CLI options override it by keyword), never
+at import time. `docs/configuration.md` and the Helm values map onto these fields one to one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from services.db.engine import database_url_for_data_dir, normalize_database_url
+
+DEFAULT_BASE_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m"]
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """One served base model: the public `name` tenants ask for and the `source` that provides it."""
+
+    name: str
+    source: str
+
+
+def parse_base_model(spec: str) -> BaseModelSpec:
+    """`NAME=SOURCE` → spec; a bare default name (or its alias) stands for itself with its built-in source."""
+    name, sep, source = spec.partition("=")
+    name, source = name.strip(), source.strip()
+    if sep and name and source:
+        return BaseModelSpec(name, source)
+    if not sep and name:
+        for default in DEFAULT_BASE_MODELS:
+            known = parse_base_model(default)
+            if name in (known.name, known.source):
+                return known
+    raise ValueError(f"base model {spec!r} must be NAME=SOURCE, e.g. "
+                     "HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m or my-model=/models/my-model")
+
+
+class ServiceSettings(BaseSettings):
+    """Settings of `carpool serve` and the admin commands (env prefix `CARPOOL_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore")
+
+    data_dir: Path = Field(Path("./data"), description=(
+        "Where all state lives: the SQLite database (unless database_url is set), checkpoints, the URL "
+        "signing secret, spilled adapters and converted models."))
+    host: str = Field("127.0.0.1", description="Interface the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server listens on.")
+    base_models: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(DEFAULT_BASE_MODELS),
+        description=("Served base models as NAME=SOURCE (comma-separated or a JSON list). SOURCE is a local "
+                     "directory, hf://org/name[@rev], ms://org/name, gguf://file.gguf or a built-in alias."))
+    database_url: str | None = Field(None, description=(
+        "SQLAlchemy URL of the control-plane database (postgresql://... in production); default: SQLite "
+        "file under data_dir."))
+    cache_dir: Path | None = Field(None, description=(
+        "Where downloaded and converted base models are cached; default: <data_dir>/models."))
+    device: str | None = Field(None, description="Torch device for the base models (cpu, cuda, cuda:1); "
+                               "default: cuda when available, else cpu.")
+    dtype: str | None = Field(None, description="Torch dtype of the base weights (float32, bfloat16, "
+                              "float16); default: chosen for the device.")
+    max_tokens_per_pass: int = Field(8192, ge=1, description=(
+        "Tokens in one packed forward/backward micro-batch on a worker; one datum may not exceed it."))
+    max_tokens_per_step: int = Field(32768, ge=1, description=(
+        "Tokens the scheduler packs into one step (several micro-batches); a forward_backward request "
+        "larger than this is refused."))
+    max_adapters_per_pass: int = Field(64, ge=1, description="Distinct adapters (models) in one packed step.")
+    max_resident_adapters: int = Field(64, ge=1, description=(
+        "Adapters kept on the device per base model; idle ones beyond this are spilled to host memory."))
+    max_lora_rank: int = Field(256, ge=1, description="Largest LoRA rank a tenant may ask for.")
+    long_poll_seconds: float = Field(25.0, gt=0, lt=40, description=(
+        "Longest a retrieve_future call is held open before answering try_again (the SDK times out at 45)."))
+    batch_window_ms: float = Field(5.0, ge=0, description=(
+        "How long the scheduler waits after work arrives for more, so tenants' requests share a pass."))
+    default_max_models_per_tenant: int | None = Field(None, ge=1, description=(
+        "Models per tenant when the tenant has no max_models quota of its own; unset: unlimited."))
+    download_url_ttl_seconds: int = Field(3600, ge=60, description="Lifetime of signed download URLs.")
+    log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
+
+    @field_validator("base_models", mode="before")
+    @classmethod
+    def _split_base_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("base_models")
+    @classmethod
+    def _check_base_models(cls, value: list[str]) -> list[str]:
+        specs = [parse_base_model(v) for v in value]
+        if not specs:
+            raise ValueError("at least one base model must be served")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"base model names must be unique, got {names}")
+        return value
+
+    # -- derived ----------------------------------------------------------------------------------
+    def served_base_models(self) -> list[BaseModelSpec]:
+        return [parse_base_model(v) for v in self.base_models]
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return normalize_database_url(self.database_url)
+        return database_url_for_data_dir(self.data_dir)
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def signing_secret_path(self) -> Path:
+        return self.data_dir / "secrets" / "url-signing.key"
+
+    @property
+    def spill_dir(self) -> Path:
+        return self.data_dir / "spill"
+
+    @property
+    def scratch_dir(self) -> Path:
+        return self.data_dir / "scratch"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.cache_dir or self.data_dir / "models"

@@ -1,0 +1,103 @@
+"""The gateway's composition: `create_app(settings, control, auth)` builds one FastAPI application.
+
+The factory is the only place that wires settings, the control plane, the authenticator, routes,
+error handlers, middleware, OpenAPI and log redaction together. It creates no global state: every
+dependency lives in `app.state` (`settings`, `control`, `auth`, `metrics`, `sample_render`), so tests
+and embedded deployments can build as many apps as they like.
+
+    app = create_app(GatewaySettings(), control_plane, DatabaseAuthenticator(database))
+    uvicorn.run(app, host="0.0.0.0", port=8000)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+
+from gateway.auth import Authenticator
+from gateway.deps import install_openapi
+from gateway.errors import install_error_handlers
+from gateway.middleware import EdgeMiddleware, RouteMetrics, render_runtime
+from gateway.rendering import SampleRenderCache
+from gateway.routes import futures, rest, sampling, service, training, weights
+from gateway.settings import GatewaySettings
+from services.auth.log_redaction import RedactApiKeysFilter
+from services.control.api import ControlPlane
+
+API_VERSION = "0.1.0"
+REDACTED_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "gateway", "fastapi")
+"""Loggers (root = "") whose records and handlers get the API-key redaction filter."""
+
+DESCRIPTION = """Multi-tenant LoRA training behind the Tinker API.
+
+* **Tinker SDK** (`tinker>=0.38`, unmodified): point `base_url` at this server, use an API key `tml-...`.
+* **REST** (`/v1/...`): the same operations as JSON; authenticate with `X-API-Key: tml-...` or
+  `Authorization: Bearer tml-...`. Futures: `GET /v1/futures/{request_id}?wait=<seconds>`.
+
+Errors are JSON: `{"detail": ..., "field": ...}`.
+"""
+
+
+def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authenticator) -> FastAPI:
+    """A ready gateway application over `control`, authenticating callers with `auth`."""
+    app = FastAPI(
+        title="Carpool",
+        version=API_VERSION,
+        description=DESCRIPTION,
+        docs_url="/docs" if settings.docs_enabled else None,
+        openapi_url="/openapi.json" if settings.docs_enabled else None,
+        redoc_url=None,
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    app.state.control = control
+    app.state.auth = auth
+    app.state.metrics = RouteMetrics()
+    app.state.sample_render = SampleRenderCache(settings.sample_render_cache_size)
+    install_error_handlers(app)
+    for module in (service, training, weights, sampling, futures):
+        app.include_router(module.router)
+    app.include_router(rest.router)
+    if settings.metrics_enabled:
+        _add_metrics_route(app, app.state.metrics, control)
+    app.add_middleware(EdgeMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes)
+    install_openapi(app)
+    install_key_redaction()
+    return app
+
+
+def _add_metrics_route(app: FastAPI, metrics: RouteMetrics, control: ControlPlane) -> None:
+    runtime_stats = getattr(control, "runtime_stats", None)  # optional `RuntimeIntrospection`
+
+    async def metrics_text() -> PlainTextResponse:
+        """Per-route request counters and latency histograms, plus the scheduler loops' counters."""
+        text = metrics.render()
+        if callable(runtime_stats):
+            text += render_runtime(runtime_stats())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"], include_in_schema=False)
+
+
+@asynccontextmanager
+async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+    # uvicorn (re)configures its handlers after the app is built: redact again once the server runs.
+    install_key_redaction()
+    yield
+
+
+def install_key_redaction() -> None:
+    """Put `RedactApiKeysFilter` on the gateway's and uvicorn's loggers and their handlers (idempotent).
+
+    Logger filters only see records logged on that very logger, handler filters see propagated ones
+    too; both are set so keys are redacted whichever way a record travels.
+    """
+    for name in REDACTED_LOGGERS:
+        logger = logging.getLogger(name)
+        for target in (logger, *logger.handlers):
+            if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):
+                target.addFilter(RedactApiKeysFilter())

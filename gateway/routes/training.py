@@ -1,0 +1,154 @@
+"""Training-run endpoints of the Tinker API: create_model, get_info, forward_backward (protobuf, optionally
+zstd, and legacy JSON), legacy `/api/v1/forward`, optim_step, unload_model.
+
+Submissions answer an `UntypedAPIFuture` at once; results come from `retrieve_future`. Every request
+that carries a `seq_id` runs inside a `SeqIdGuard`, so one rejected here (bad body, unknown loss,
+invalid data) still consumes its seq_id and the model's later requests are not blocked (§6.1).
+The work item's `adapter_id` is the model id; the control plane resolves it to the resident adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gateway.deps import Control, CurrentTenant, RawBody, SettingsDep, documents_body, parse_body
+from gateway.errors import SeqIdGuard, unsupported
+from gateway.rendering import wire_json
+from gateway.settings import GatewaySettings
+from services.db.ids import ModelId, SessionId
+from services.domain.training import AdapterId, ForwardBackwardWork
+from services.wire import (
+    CONTENT_TYPE_PROTOBUF,
+    ForwardBackwardCall,
+    WireError,
+    adam_params,
+    check_optimizer_config,
+    decode_forward_backward_body,
+    forward_backward_work,
+    get_info_response,
+    lora_spec,
+)
+from services.wire.requests import (
+    CreateModelRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    GetInfoRequest,
+    OptimStepRequest,
+    UnloadModelRequest,
+)
+from services.wire.responses import GetInfoResponse, UntypedAPIFuture
+
+router = APIRouter(prefix="/api/v1", tags=["training"])
+
+DECODE_IN_THREAD_BYTES = 64 * 1024
+"""Bodies at least this big are decoded off the event loop, so long-polls keep being served."""
+
+
+@router.post("/create_model", response_model=UntypedAPIFuture)
+@documents_body(CreateModelRequest)
+async def create_model(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
+    """Create LoRA training run `{session_id}:train:{model_seq_id}` (result: `CreateModelResponse`)."""
+    request = parse_body(CreateModelRequest, body)
+    check_optimizer_config(request.optimizer_config)
+    submitted = await control.create_model(
+        tenant, SessionId(request.session_id), request.model_seq_id, request.base_model,
+        lora_spec(request.lora_config), request.user_metadata,
+    )
+    return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=submitted.model_id))
+
+
+@router.post("/get_info", response_model=GetInfoResponse)
+@documents_body(GetInfoRequest)
+async def get_info(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
+    """Model metadata; `model_data.tokenizer_id` is a tokenizer directory loadable offline."""
+    request = parse_body(GetInfoRequest, body)
+    return await model_info_response(tenant, control, request.model_id)
+
+
+async def model_info_response(tenant: CurrentTenant, control: Control, model_id: str) -> JSONResponse:
+    info = await control.get_info(tenant, ModelId(model_id))
+    return wire_json(get_info_response(info.model_id, info.base, info.lora))
+
+
+@router.post("/forward_backward", response_model=UntypedAPIFuture)
+@documents_body((CONTENT_TYPE_PROTOBUF, None), ForwardBackwardRequest)
+async def forward_backward(
+    request: Request, tenant: CurrentTenant, control: Control, settings: SettingsDep, body: RawBody
+) -> JSONResponse:
+    """Forward + backward (or forward only): a protobuf `ForwardBackwardRequest` (SDK >= 0.25, optionally
+    `Content-Encoding: zstd`) or the legacy JSON body; result: `ForwardBackwardOutput`."""
+    return await _submit_forward_backward(request, tenant, control, settings, body, legacy_forward=False)
+
+
+@router.post("/forward", response_model=UntypedAPIFuture)
+@documents_body(ForwardRequest)
+async def forward(
+    request: Request, tenant: CurrentTenant, control: Control, settings: SettingsDep, body: RawBody
+) -> JSONResponse:
+    """Legacy forward-only pass (JSON `ForwardRequest`, SDK <= 0.24); result: `ForwardBackwardOutput`."""
+    return await _submit_forward_backward(request, tenant, control, settings, body, legacy_forward=True)
+
+
+async def _submit_forward_backward(
+    request: Request, tenant: CurrentTenant, control: Control, settings: GatewaySettings, body: bytes,
+    *, legacy_forward: bool,
+) -> JSONResponse:
+    content_type = request.headers.get("content-type")
+    content_encoding = request.headers.get("content-encoding")
+    async with SeqIdGuard(control, tenant) as guard:
+        decode = _decoder(body, content_type, content_encoding, settings.max_body_bytes, legacy_forward)
+        call, work = await asyncio.to_thread(decode) if len(body) >= DECODE_IN_THREAD_BYTES else decode()
+        guard.track(call.model_id, call.seq_id)
+        assert call.seq_id is not None  # checked by the decoder
+        submitted = await control.forward_backward(tenant, ModelId(call.model_id), call.seq_id, work)
+    return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=call.model_id))
+
+
+def _decoder(
+    body: bytes, content_type: str | None, content_encoding: str | None, max_body_bytes: int,
+    legacy_forward: bool,
+) -> Callable[[], tuple[ForwardBackwardCall, ForwardBackwardWork]]:
+    """A thunk decoding the body into the call and its domain work (WireErrors carry the ids)."""
+
+    def decode() -> tuple[ForwardBackwardCall, ForwardBackwardWork]:
+        call = decode_forward_backward_body(
+            body, content_type, content_encoding, legacy_forward=legacy_forward, max_body_bytes=max_body_bytes
+        )
+        if call.seq_id is None:
+            raise WireError("seq_id", "is required (>= 1, consecutive per model)", model_id=call.model_id)
+        return call, forward_backward_work(call, AdapterId(call.model_id))
+
+    return decode
+
+
+@router.post("/optim_step", response_model=UntypedAPIFuture)
+@documents_body(OptimStepRequest)
+async def optim_step(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
+    """Apply the accumulated gradients with AdamW (`adam_params`); result: `OptimStepResponse`."""
+    async with SeqIdGuard(control, tenant) as guard:
+        request = parse_body(OptimStepRequest, body)
+        guard.track(request.model_id, request.seq_id)
+        seq_id = require_seq_id(request.seq_id)
+        params = adam_params(request.optim_params, "adam_params")
+        submitted = await control.optim_step(tenant, ModelId(request.model_id), seq_id, params)
+    return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=request.model_id))
+
+
+def require_seq_id(seq_id: int | None) -> int:
+    """Training requests must say where they go in the model's sequence."""
+    if seq_id is None:
+        raise WireError("seq_id", "is required (>= 1, consecutive per model)")
+    return seq_id
+
+
+@router.post("/unload_model", response_model=UntypedAPIFuture)
+@documents_body(UnloadModelRequest)
+async def unload_model(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
+    """Not served: SDK 0.38 never calls it; idle adapters are spilled from the device automatically."""
+    request = parse_body(UnloadModelRequest, body)
+    await control.get_info(tenant, ModelId(request.model_id))  # an unknown model is still a 404
+    raise unsupported("unload_model", "idle adapters are unloaded automatically")

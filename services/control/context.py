@@ -1,0 +1,168 @@
+"""What every part of the service control plane shares: its dependencies, options and a few primitives.
+
+`ControlContext` bundles the database, the queue / result store / notifier set, the checkpoint store and
+the registry of served base models, plus the primitives the parts build on: running a transaction off
+the event loop (`tx`), putting work or an immediate error result on the queue (`enqueue`, `fail_now`),
+waiting for a request's stored result (`await_result`, the same get → wait → get long-poll the
+gateway's `retrieve` uses), and the few read queries the `services.db` repositories do not offer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session
+
+from services.auth.tenants import Tenant
+from services.control.registry import ModelRegistry, ServedModel
+from services.db.columns import utcnow
+from services.db.database import Database
+from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
+from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
+from services.domain.training import WorkError
+from services.jobqueue.protocol import Notifier, ResultStatus, ResultStore, StoredResult, WorkQueue
+from services.scheduler.requests import ModelId as QueueModelId
+from services.scheduler.requests import QueuedRequest, RequestKind
+from services.scheduler.requests import RequestId as QueueRequestId
+from services.scheduler.requests import TenantId as QueueTenantId
+from services.storage.protocol import CheckpointStore
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    long_poll_max_s: float = 30.0
+    """Longest a `retrieve` holds (the SDK's read timeout is 45 s)."""
+    download_url_ttl_s: float = 3600.0
+    """Lifetime of signed external-weights download URLs."""
+    sampler_load_timeout_s: float = 300.0
+    """How long `create_sampling_session` waits for a checkpoint to load before giving up (503)."""
+    default_max_models: int | None = None
+    """Models per tenant when the tenant row sets no `max_models` (None: unlimited)."""
+    scratch_dir: Path | None = None
+    """Where adapter copies for ephemeral samplers are staged (None: the system temp dir)."""
+
+
+@dataclass(frozen=True)
+class ControlContext:
+    db: Database
+    queue: WorkQueue
+    results: ResultStore
+    notifier: Notifier
+    store: CheckpointStore
+    registry: ModelRegistry
+    options: ControlOptions
+    clock: Callable[[], datetime] = utcnow
+
+    async def tx(self, fn: Callable[[Session], _T]) -> _T:
+        """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""
+        return await asyncio.to_thread(self._run_tx, fn)
+
+    def _run_tx(self, fn: Callable[[Session], _T]) -> _T:
+        with self.db.sessions.begin() as session:
+            return fn(session)
+
+    def enqueue(
+        self,
+        served: ServedModel,
+        tenant: Tenant,
+        request_id: RequestId,
+        model_id: str,
+        kind: RequestKind,
+        seq_id: int | None,
+        *,
+        payload: object = None,
+        num_tokens: int = 0,
+    ) -> None:
+        """Put one request on the queue of `served`'s scheduler loop."""
+        request = QueuedRequest(
+            request_id=QueueRequestId(request_id),
+            tenant_id=QueueTenantId(tenant.id),
+            model_id=QueueModelId(model_id),
+            kind=kind,
+            seq_id=seq_id,
+            num_tokens=num_tokens,
+            enqueued_at=time.monotonic(),  # the scheduler's default clock
+            payload=payload,
+        )
+        self.queue.enqueue(served.queue, request)
+
+    def fail_now(self, request_id: RequestId, error: str, category: str = "user") -> None:
+        """Store an error result for a request that will never run, and wake its waiters."""
+        work_error = WorkError(error, "server" if category == "server" else "user")
+        self.results.put(request_id, StoredResult(ResultStatus.ERROR, work_error))
+        self.notifier.publish(request_id)
+
+    async def await_result(self, request_id: RequestId, timeout_s: float) -> StoredResult | None:
+        """The stored result, waiting up to `timeout_s` for it (get → wait → get); None if not in time."""
+        stored = await self.results.get(request_id)
+        if stored is not None or timeout_s <= 0:
+            return stored
+        await self.notifier.wait(request_id, timeout_s)
+        return await self.results.get(request_id)
+
+
+def not_found(what: str, ident: str) -> str:
+    """The one message for an id that is missing or another tenant's (they must be indistinguishable)."""
+    return f"{what} {ident} not found"
+
+
+# -- lookups the repositories lack: dedupe by seq id, page counts ------------------------------------
+# The database is the source of truth for request ids (production runs several gateway processes);
+# callers have already checked that the model or session belongs to the tenant.
+
+
+def request_for_seq(db: Session, model_id: ModelId, seq_id: int) -> RequestRow | None:
+    """The request that took `seq_id` of a run (the unique (model_id, seq_id) row), if any."""
+    stmt = select(RequestRow).where(RequestRow.model_id == model_id, RequestRow.seq_id == seq_id)
+    return db.scalars(stmt).one_or_none()
+
+
+def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:
+    """The first sample request of a sampling session with this seq_id (retries map onto it)."""
+    stmt = (
+        select(RequestRow)
+        .where(RequestRow.sampling_session_id == sampling_id, RequestRow.seq_id == seq_id,
+               RequestRow.model_id.is_(None))
+        .order_by(RequestRow.created_at, RequestRow.id)
+        .limit(1)
+    )
+    return db.scalars(stmt).first()
+
+
+def ephemeral_save_for(db: Session, sampling_id: SamplingSessionId) -> RequestRow | None:
+    """The save that created an ephemeral sampling session (None for sessions made from a path or base)."""
+    stmt = select(RequestRow).where(
+        RequestRow.sampling_session_id == sampling_id, RequestRow.kind == "save_weights_for_sampler"
+    )
+    return db.scalars(stmt.limit(1)).first()
+
+
+def count_sessions(db: Session, tenant_id: TenantId) -> int:
+    return _count(db, select(func.count()).where(SessionRow.tenant_id == tenant_id))
+
+
+def count_training_runs(db: Session, tenant_id: TenantId, session_id: SessionId | None = None) -> int:
+    stmt = select(func.count()).where(TrainingRunRow.tenant_id == tenant_id)
+    if session_id is not None:
+        stmt = stmt.where(TrainingRunRow.session_id == session_id)
+    return _count(db, stmt)
+
+
+def count_checkpoints(db: Session, tenant_id: TenantId, training_run_id: ModelId | None = None) -> int:
+    stmt = select(func.count()).where(CheckpointRow.tenant_id == tenant_id)
+    if training_run_id is not None:
+        stmt = stmt.where(CheckpointRow.training_run_id == training_run_id)
+    return _count(db, stmt)
+
+
+def _count(db: Session, stmt: Select[tuple[int]]) -> int:
+    return int(db.scalar(stmt) or 0)

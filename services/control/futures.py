@@ -1,0 +1,80 @@
+"""Futures: `retrieve` long-polls a request's stored result and maps it onto the API's outcome types.
+
+Ownership is checked through the request log (another tenant's request id is "not found", like an
+unknown one). Then the long-poll pattern of `services.jobqueue`: result store → if nothing, wait on the
+notifier → result store again. A request that ended but whose result is gone (expired after its TTL, or
+lost with a restarted process) is answered from its request-log row, so a client never polls forever.
+"""
+
+from __future__ import annotations
+
+from typing import cast, get_args
+
+from services.auth.tenants import Tenant
+from services.control.api import Done, Failed, FutureState, NotFound, Outcome, Pending, RequestKindName
+from services.control.context import ControlContext, not_found
+from services.db.ids import RequestId, TenantId
+from services.db.models import RequestRow
+from services.db.request_log import UNFINISHED, get_request
+from services.domain.training import WorkError
+from services.jobqueue.protocol import ResultStatus, StoredResult
+
+_KIND_NAMES = frozenset(get_args(RequestKindName))
+
+
+class FutureOps:
+    def __init__(self, ctx: ControlContext) -> None:
+        self._ctx = ctx
+
+    async def retrieve(self, tenant: Tenant, request_id: RequestId, timeout_s: float) -> FutureState:
+        row = await self._owned(tenant, request_id)
+        stored = await self._ctx.results.get(request_id)
+        if stored is None and row.status in UNFINISHED:
+            wait = min(max(0.0, timeout_s), self._ctx.options.long_poll_max_s)
+            stored = await self._ctx.await_result(request_id, wait)
+        if stored is not None:
+            return outcome_of(row.kind, stored)
+        if row.status in UNFINISHED:
+            return await self._pending_or_final(tenant, request_id)
+        return _from_row(row)
+
+    async def cancel(self, tenant: Tenant, request_id: RequestId) -> None:
+        """Best effort and currently a no-op: queued work runs anyway; only ownership is checked."""
+        await self._owned(tenant, request_id)
+
+    async def _owned(self, tenant: Tenant, request_id: RequestId) -> RequestRow:
+        row = await self._ctx.tx(lambda db: get_request(db, TenantId(tenant.id), request_id))
+        if row is None:
+            raise NotFound(not_found("request", request_id), field="request_id")
+        return row
+
+    async def _pending_or_final(self, tenant: Tenant, request_id: RequestId) -> FutureState:
+        """Still unfinished when the wait began: look at the row again (another process may have ended it)."""
+        row = await self._owned(tenant, request_id)
+        if row.status in UNFINISHED:
+            return Pending()
+        stored = await self._ctx.results.get(request_id)
+        return outcome_of(row.kind, stored) if stored is not None else _from_row(row)
+
+
+def outcome_of(kind: str, stored: StoredResult) -> FutureState:
+    """A stored result as the API's future state (`Done` with the request's kind, or `Failed`)."""
+    value = stored.value
+    if stored.status is ResultStatus.ERROR or isinstance(value, WorkError):
+        if isinstance(value, WorkError):
+            return Failed(value.message, value.category)
+        if isinstance(value, dict) and "error" in value:
+            category = "user" if value.get("category") == "user" else "server"
+            return Failed(str(value["error"]), category)
+        return Failed(str(value), "server")
+    if kind not in _KIND_NAMES:
+        return Failed(f"request of kind {kind!r} has no result to show", "server")
+    return Done(cast(RequestKindName, kind), cast(Outcome, value))
+
+
+def _from_row(row: RequestRow) -> FutureState:
+    if row.status == "failed":
+        category = "user" if row.category == "user" else "server"
+        return Failed(row.error or "the request failed", category)
+    return Failed(f"the result of request {row.id} is no longer available (results are kept for an hour "
+                  "after they are ready)", "user")

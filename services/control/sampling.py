@@ -1,0 +1,146 @@
+"""Sampling sessions and sample requests.
+
+`create_sampling_session` binds `{session}:sample:{k}` to a checkpoint (loaded into a shared frozen
+adapter before it returns, so the first sample never waits for weights) or to the bare base model.
+`sample` validates the prompt against the base model's limits, dedupes `(sampling_session_id, seq_id)`
+against the request log, and queues an unordered `SAMPLE` request; its promise carries one
+`sample_sequence_id` per requested sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import replace
+
+from sqlalchemy.orm import Session
+
+from services.auth.tenants import Tenant
+from services.control.api import Invalid, NotFound, SampleSubmitted
+from services.control.context import ControlContext, ephemeral_save_for, not_found, sample_request_for_seq
+from services.control.models import parse_path, readable_checkpoint
+from services.control.registry import ServedModel
+from services.control.samplers import CheckpointLoader, CheckpointToLoad, SamplerBinding, SamplerDirectory
+from services.db.errors import NotFoundError
+from services.db.ids import RequestId, SamplingSessionId, SessionId, TenantId
+from services.db.models import SamplingSessionRow
+from services.db.request_log import record_request
+from services.db.runs import create_sampling_session, get_sampling_session
+from services.db.sessions import get_session
+from services.domain.sampling import SampleWork
+from services.domain.validation import InvalidWork, validate_sample
+from services.runtime.commands import Sample
+from services.scheduler.requests import RequestKind
+from services.wire.paths import sample_sequence_ids
+
+# Retries of one (sampling session, seq_id) are serialised so that both find one request row; striped
+# locks keep that bounded without a lock per session.
+_LOCK_STRIPES = 64
+
+
+class SamplingOps:
+    def __init__(self, ctx: ControlContext, samplers: SamplerDirectory) -> None:
+        self._ctx = ctx
+        self._samplers = samplers
+        self._loader = CheckpointLoader(ctx)
+        self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
+
+    async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
+                                      model_path: str | None, base_model: str | None) -> SamplingSessionId:
+        if seq < 0:
+            raise Invalid(f"sampling_session_seq_id must be >= 0, got {seq}", field="sampling_session_seq_id")
+        if model_path is not None:
+            binding = await self._bind_checkpoint(tenant, session_id, model_path, base_model)
+        elif base_model is not None:
+            binding = SamplerBinding(self._ctx.registry.require(base_model).name, None)
+        else:
+            raise Invalid("create_sampling_session needs a model_path or a base_model", field="model_path")
+
+        def tx(db: Session) -> SamplingSessionRow:
+            try:
+                return create_sampling_session(db, TenantId(tenant.id), session_id, seq,
+                                               base_model=binding.base_model, model_path=model_path,
+                                               now=self._ctx.clock())
+            except NotFoundError as exc:
+                raise NotFound(not_found("session", session_id), field="session_id") from exc
+
+        row = await self._ctx.tx(tx)
+        self._samplers.bind(SamplingSessionId(row.id), binding)
+        return SamplingSessionId(row.id)
+
+    async def get_sampler(self, tenant: Tenant, sampler_id: SamplingSessionId) -> tuple[str, str | None]:
+        row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
+        if row is None:
+            raise NotFound(not_found("sampling session", sampler_id), field="sampler_id")
+        return row.base_model, row.model_path
+
+    async def sample(self, tenant: Tenant, sampler_id: SamplingSessionId, seq_id: int | None,
+                     work: SampleWork) -> SampleSubmitted:
+        row = await self.get_row(tenant, sampler_id)
+        served = self._ctx.registry.for_run(row.base_model)
+        _validate(work, served)
+        binding = self._samplers.get(sampler_id) or await self._recover_binding(tenant, row)
+        work = replace(work, adapter_id=binding.adapter_id)
+        lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
+        async with lock:
+            request_id, is_new = await self._ctx.tx(lambda db: self._log_tx(db, tenant, sampler_id, seq_id))
+            if is_new:
+                self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
+                                  payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
+        return SampleSubmitted(request_id, sample_sequence_ids(request_id, work.num_samples))
+
+    async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplingSessionRow:
+        row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
+        if row is None:
+            raise NotFound(not_found("sampling session", sampler_id), field="sampling_session_id")
+        return row
+
+    def _log_tx(self, db: Session, tenant: Tenant, sampler_id: SamplingSessionId,
+                seq_id: int | None) -> tuple[RequestId, bool]:
+        if seq_id is not None:
+            existing = sample_request_for_seq(db, sampler_id, seq_id)
+            if existing is not None:
+                return existing.id, False
+        row = record_request(db, TenantId(tenant.id), "sample", sampling_session_id=sampler_id, seq_id=seq_id,
+                             now=self._ctx.clock())
+        return row.id, True
+
+    async def _bind_checkpoint(self, tenant: Tenant, session_id: SessionId, model_path: str,
+                               base_model: str | None) -> SamplerBinding:
+        parsed = parse_path(model_path, "model_path")
+
+        def tx(db: Session) -> tuple[CheckpointToLoad, ServedModel]:
+            if get_session(db, TenantId(tenant.id), session_id) is None:
+                raise NotFound(not_found("session", session_id), field="session_id")
+            checkpoint, source = readable_checkpoint(db, tenant, parsed)
+            served = self._ctx.registry.for_run(source.base_model)
+            if base_model is not None and base_model != source.base_model:
+                raise Invalid(f"checkpoint {parsed.uri} belongs to {source.base_model}, not {base_model}",
+                              field="base_model")
+            local = self._ctx.store.local_path(checkpoint.storage_uri)
+            return CheckpointToLoad(parsed.uri, checkpoint.id, local), served
+
+        to_load, served = await self._ctx.tx(tx)
+        adapter_id = await self._loader.ensure(tenant, served, to_load)
+        return SamplerBinding(served.name, adapter_id)
+
+    async def _recover_binding(self, tenant: Tenant, row: SamplingSessionRow) -> SamplerBinding:
+        """A session this process has not bound (it was restarted): rebuild the binding from the database."""
+        sampler_id = SamplingSessionId(row.id)
+        if row.model_path is not None:
+            binding = await self._bind_checkpoint(tenant, SessionId(row.session_id), row.model_path, None)
+        elif await self._ctx.tx(lambda db: ephemeral_save_for(db, sampler_id)) is not None:
+            raise Invalid(f"sampling session {sampler_id} sampled a snapshot that did not survive a server "
+                          "restart; create a new sampling client", field="sampling_session_id")
+        else:
+            binding = SamplerBinding(row.base_model, None)
+        self._samplers.bind(sampler_id, binding)
+        return binding
+
+
+def _validate(work: SampleWork, served: ServedModel) -> None:
+    try:
+        validate_sample(work, served.limits)
+    except InvalidWork as exc:
+        raise Invalid(str(exc), field=exc.field) from exc
+

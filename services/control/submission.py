@@ -1,0 +1,161 @@
+"""Ordered submissions: idempotency by `(model_id, seq_id)`, request logging, and consumed seq ids.
+
+Every training-side call of a model carries a seq id, and the run's unique `(model_id, seq_id)` request
+row is the single source of truth for its request id: a retry (from any gateway process) finds the row and
+gets the same id, never a 409. A new request is checked by its `Preparer` inside the same transaction that
+logs it; if the check refuses it, the seq id is still consumed (a failed row, a `CONSUMED` marker on the
+queue and an error result), because the SDK moves on to the next seq id and the model must not wait for
+this one forever. A refusal is raised to the caller (4xx), or — for a `FailedSubmission` such as a
+checkpoint name clash — reported through the future instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from services.auth.tenants import Tenant
+from services.control.api import Conflict, ControlError, Invalid, NotFound, Submitted
+from services.control.context import ControlContext, not_found, request_for_seq
+from services.control.registry import ServedModel
+from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
+from services.db.models import TrainingRunRow
+from services.db.request_log import mark_request_failed, record_request
+from services.db.runs import get_training_run, reserve_seq_id
+from services.scheduler.requests import RequestKind
+
+REJECTED_KIND = "rejected"
+"""Request-log kind of a seq id refused at the edge before its kind was known."""
+
+
+class FailedSubmission(Exception):
+    """A request accepted as a future that fails at once (e.g. a name clash): consumes its seq id."""
+
+    def __init__(self, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.message = message
+        self.category = category
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request: what the scheduler sees and what the loop runs."""
+
+    kind: RequestKind
+    payload: object
+    num_tokens: int = 0
+    sampling_session_id: SamplingSessionId | None = None
+    """Logged on the request row (an ephemeral save names the sampling session it creates)."""
+
+
+Preparer = Callable[[Session, TrainingRunRow, ServedModel], Prepared]
+"""Checks a new request inside its transaction; raises `ControlError` or `FailedSubmission` to refuse it."""
+
+
+@dataclass(frozen=True)
+class OrderedCall:
+    tenant: Tenant
+    model_id: ModelId
+    seq_id: int
+    kind_name: str
+    """The request log's kind (`forward_backward`, `optim_step`, `save_weights`, ...)."""
+    prepare: Preparer
+
+
+@dataclass
+class _Decision:
+    request_id: RequestId
+    duplicate: bool = False
+    served: ServedModel | None = None
+    prepared: Prepared | None = None
+    refusal: ControlError | FailedSubmission | None = None
+
+
+class OrderedSubmitter:
+    """Submits seq-id-ordered requests of existing models."""
+
+    def __init__(self, ctx: ControlContext) -> None:
+        self._ctx = ctx
+
+    async def submit(self, call: OrderedCall) -> Submitted:
+        decision = await self._decide(call)
+        if not decision.duplicate:
+            self._dispatch(call, decision)
+        if isinstance(decision.refusal, ControlError):
+            raise decision.refusal
+        return Submitted(decision.request_id, call.model_id)
+
+    async def consume(self, tenant: Tenant, model_id: ModelId, seq_id: int, error: str) -> None:
+        """`reject_seq_id`: the seq id is used up by a request that failed at the edge."""
+        if seq_id < 1:
+            return  # seq 0 is the model's creation and negative ids never block anything
+
+        def refuse(_db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
+            raise FailedSubmission(error, "user")
+
+        await self.submit(OrderedCall(tenant, model_id, seq_id, REJECTED_KIND, refuse))
+
+    async def _decide(self, call: OrderedCall) -> _Decision:
+        if call.seq_id < 1:
+            raise Invalid(f"seq_id must be >= 1 for requests on an existing model, got {call.seq_id}",
+                          field="seq_id")
+        try:
+            return await self._ctx.tx(lambda db: self._decide_tx(db, call))
+        except IntegrityError:
+            # Another process logged the same (model_id, seq_id) first: this is a retry of that request.
+            return await self._ctx.tx(lambda db: self._decide_tx(db, call))
+
+    def _decide_tx(self, db: Session, call: OrderedCall) -> _Decision:
+        tenant_id = TenantId(call.tenant.id)
+        run = get_training_run(db, tenant_id, call.model_id)
+        if run is None:
+            raise NotFound(not_found("model", call.model_id), field="model_id")
+        existing = request_for_seq(db, call.model_id, call.seq_id)
+        if existing is not None:
+            return _duplicate(existing.id, existing.kind, call)
+        served = self._ctx.registry.for_run(run.base_model)
+        decision = _Decision(RequestId(""), served=served)
+        try:
+            decision.prepared = call.prepare(db, run, served)
+        except (ControlError, FailedSubmission) as exc:
+            decision.refusal = exc
+        ssid = decision.prepared.sampling_session_id if decision.prepared else None
+        row = record_request(db, tenant_id, call.kind_name, model_id=call.model_id,
+                             sampling_session_id=ssid, seq_id=call.seq_id, now=self._ctx.clock())
+        reserve_seq_id(db, tenant_id, call.model_id, call.seq_id, now=self._ctx.clock())
+        if decision.refusal is not None:
+            error, category = _refusal_text(decision.refusal)
+            mark_request_failed(db, tenant_id, row.id, error=error, category=category, now=self._ctx.clock())
+        decision.request_id = row.id
+        return decision
+
+    def _dispatch(self, call: OrderedCall, decision: _Decision) -> None:
+        """After commit: queue the work, or consume the seq id and publish the error."""
+        assert decision.served is not None
+        ctx, served = self._ctx, decision.served
+        if decision.refusal is not None:
+            ctx.enqueue(served, call.tenant, decision.request_id, call.model_id, RequestKind.CONSUMED,
+                        call.seq_id)
+            ctx.fail_now(decision.request_id, *_refusal_text(decision.refusal))
+            return
+        prepared = decision.prepared
+        assert prepared is not None
+        ctx.enqueue(served, call.tenant, decision.request_id, call.model_id, prepared.kind, call.seq_id,
+                    payload=prepared.payload, num_tokens=prepared.num_tokens)
+
+
+def _duplicate(request_id: str, logged_kind: str, call: OrderedCall) -> _Decision:
+    # A rejected seq id answers any later submission of it with the rejection (the SDK moved on).
+    if logged_kind not in (call.kind_name, REJECTED_KIND) and call.kind_name != REJECTED_KIND:
+        raise Conflict(f"seq_id {call.seq_id} of model {call.model_id} was already used by a "
+                       f"{logged_kind} request", field="seq_id")
+    return _Decision(RequestId(request_id), duplicate=True)
+
+
+def _refusal_text(refusal: ControlError | FailedSubmission) -> tuple[str, str]:
+    if isinstance(refusal, FailedSubmission):
+        return refusal.message, refusal.category
+    return refusal.message, "user"

@@ -1,0 +1,126 @@
+"""Sampling through the control plane: sessions from a checkpoint, from an ephemeral snapshot and from the
+bare base model; sample ids and dedupe; snapshot semantics; external weights behind signed URLs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import BASE, Harness
+
+from services.auth.tenants import Tenant
+from services.control.api import CheckpointRef, Failed, Invalid, NotFound, SamplerRef, SaveOptions
+from services.db.ids import ModelId, SamplingSessionId, SessionId
+from services.domain.sampling import SampleResult, SampleWork, SamplingParams
+from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, stop=())
+PROMPT = np.array([5, 17, 42, 7])
+
+
+def _train(h: Harness, t: Tenant, model: ModelId, first_seq: int, lr: float = 5e-2) -> None:
+    rng = np.random.default_rng(first_seq)
+    seq = rng.integers(0, 512, 17)
+    data = [Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(16, np.float32)})]
+    h.run(h.control.forward_backward(t, model, first_seq, ForwardBackwardWork(None, data)))
+    h.done(t, h.run(h.control.optim_step(t, model, first_seq + 1, AdamParams(learning_rate=lr))).request_id)
+
+
+def _greedy(h: Harness, t: Tenant, sampler: SamplingSessionId, seq_id: int) -> list[int]:
+    sub = h.run(h.control.sample(t, sampler, seq_id, SampleWork(None, PROMPT, params=GREEDY)))
+    result = h.done(t, sub.request_id)
+    assert isinstance(result, SampleResult)
+    return result.sequences[0].tokens
+
+
+def _model(h: Harness, t: Tenant, s: SessionId) -> ModelId:
+    sub = h.run(h.control.create_model(t, s, 0, BASE, LoraSpec(rank=4, seed=5, train_unembed=True), None))
+    h.done(t, sub.request_id)
+    return sub.model_id
+
+
+def test_checkpoint_and_ephemeral_samplers(harness: Harness) -> None:
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    model = _model(h, t, s)
+    _train(h, t, model, 1)
+    saved = h.run(h.control.save(t, model, 3, "sampler", SaveOptions(name="s1")))
+    ref = h.done(t, saved.request_id)
+    assert isinstance(ref, CheckpointRef) and ref.tinker_path == f"tinker://{model}/sampler_weights/s1"
+
+    named = h.run(h.control.create_sampling_session(t, s, 0, model_path=ref.tinker_path, base_model=None))
+    assert named == f"{s}:sample:0"
+    assert h.run(h.control.get_sampler(t, named)) == (BASE, ref.tinker_path)
+    work = SampleWork(None, PROMPT, num_samples=3, params=SamplingParams(max_tokens=4, seed=1))
+    sub = h.run(h.control.sample(t, named, 0, work))
+    assert sub.sample_sequence_ids == [f"{sub.request_id}:{i}" for i in range(3)]
+    again = h.run(h.control.sample(t, named, 0, work))
+    assert again.request_id == sub.request_id
+    result = h.done(t, sub.request_id)
+    assert isinstance(result, SampleResult) and len(result.sequences) == 3
+
+    eph = h.run(h.control.save(t, model, 4, "sampler", SaveOptions(name=None), sampling_session_seq_id=1))
+    assert h.done(t, eph.request_id) == SamplerRef(SamplingSessionId(f"{s}:sample:1"))
+    ephemeral = SamplingSessionId(f"{s}:sample:1")
+    before = _greedy(h, t, ephemeral, 0)
+    assert before == _greedy(h, t, named, 1)  # the same weights, two ways
+
+    _train(h, t, model, 5, lr=0.5)
+    assert _greedy(h, t, ephemeral, 1) == before  # a snapshot: training on does not move it
+    assert _greedy(h, t, named, 2) == before
+    later = h.run(h.control.save(t, model, 7, "sampler", SaveOptions(name=None), sampling_session_seq_id=3))
+    h.done(t, later.request_id)
+    assert _greedy(h, t, SamplingSessionId(f"{s}:sample:3"), 0) != before  # ... while the model did move
+
+    base = h.run(h.control.create_sampling_session(t, s, 2, model_path=None, base_model=BASE))
+    assert h.run(h.control.get_sampler(t, base)) == (BASE, None)
+    assert len(_greedy(h, t, base, 0)) == GREEDY.max_tokens
+
+
+def test_sampling_errors(harness: Harness) -> None:
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    base = h.run(h.control.create_sampling_session(t, s, 0, model_path=None, base_model=BASE))
+    with pytest.raises(Invalid):
+        h.run(h.control.sample(t, base, 0, SampleWork(None, np.array([1, 100_000]))))
+    with pytest.raises(Invalid):
+        h.run(h.control.create_sampling_session(t, s, 1, model_path="not-a-tinker-path", base_model=None))
+    with pytest.raises(NotFound):
+        h.run(
+            h.control.create_sampling_session(
+                t, s, 1, model_path="tinker://x:train:0/sampler_weights/n", base_model=None
+            )
+        )
+    with pytest.raises(Invalid):
+        h.run(h.control.create_sampling_session(t, s, 1, model_path=None, base_model="no/such-model"))
+
+
+def test_external_weights_download_through_signed_urls(harness: Harness) -> None:
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    model = _model(h, t, s)
+    _train(h, t, model, 1)
+    saved = h.run(h.control.save(t, model, 3, "external", SaveOptions(name="export")))
+    ref = h.done(t, saved.request_id)
+    assert isinstance(ref, CheckpointRef) and ref.kind == "external"
+
+    signed = h.run(h.control.external_weights_urls(t, ref.tinker_path, "http://carpool.test/"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(signed.urls)
+    local = h.store.local_path(h.store.uri_for(t.id, model, "external", "export"))
+    for name, url in signed.urls.items():
+        assert url.startswith("http://carpool.test/api/v1/download/")
+        path = h.control.open_signed_file(url.rsplit("/", 1)[1])
+        assert path.read_bytes() == (local / name).read_bytes()
+    with pytest.raises(NotFound):
+        h.control.open_signed_file("forged.token")
+    with pytest.raises(Invalid):
+        h.run(h.control.external_weights_urls(t, f"tinker://{model}/weights/export", "http://carpool.test"))
+
+    h.run(h.control.delete_checkpoint(t, ref.tinker_path))
+    assert not local.exists()
+    with pytest.raises(NotFound):
+        h.run(h.control.get_checkpoint(t, ref.tinker_path))
+    again = h.run(h.control.save(t, model, 4, "external", SaveOptions(name="export")))
+    assert not isinstance(h.result(t, again.request_id), Failed)  # the name is free again

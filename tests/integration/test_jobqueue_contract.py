@@ -1,0 +1,272 @@
+"""The `WorkQueue` / `ResultStore` / `Notifier` contract, run on the in-process and the Redis versions alike.
+
+Redis runs at `$CARPOOL_TEST_REDIS_URL` (default the local CI server); each test gets its own random key
+prefix and channel and deletes its keys afterwards, so tests can share the server with other suites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import redis
+
+from services.domain.training import Datum, ForwardBackwardWork
+from services.jobqueue import (
+    InMemoryNotifier,
+    InMemoryResultStore,
+    InMemoryWorkQueue,
+    Notifier,
+    ResultStatus,
+    ResultStore,
+    StoredResult,
+    WorkQueue,
+)
+from services.jobqueue.redis_queue import RedisWorkQueue
+from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
+from services.scheduler import ModelId, QueuedRequest, RequestId, RequestKind, TenantId
+
+REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+BASE = "Qwen/Qwen3-0.6B"
+
+
+@dataclass
+class Backend:
+    """One implementation of the three seams, plus what the tests need to inspect it."""
+
+    name: str
+    queue: InMemoryWorkQueue | RedisWorkQueue
+    store: ResultStore
+    notifier: InMemoryNotifier | RedisNotifier
+
+
+def redis_client_or_skip() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}")
+    return client
+
+
+def delete_prefixed(client: redis.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "memory":
+        yield Backend("memory", InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier())
+        return
+    client = redis_client_or_skip()
+    prefix = f"carpool-test-{uuid.uuid4().hex[:12]}"
+    store = RedisResultStore(client, prefix=prefix)
+    notifier = RedisNotifier(client, prefix=prefix)
+    assert notifier.start(timeout_s=5)
+    yield Backend("redis", RedisWorkQueue(client, prefix=prefix), store, notifier)
+    notifier.close()
+    store.close()
+    delete_prefixed(client, prefix)
+    client.close()
+
+
+def request(i: int, payload: object = None) -> QueuedRequest:
+    return QueuedRequest(
+        RequestId(f"r{i}"), TenantId("t"), ModelId("m"), RequestKind.FORWARD_BACKWARD, i, 4, payload=payload
+    )
+
+
+def ids(deliveries: list) -> list[str]:
+    return [d.request.request_id for d in deliveries]
+
+
+def test_implementations_satisfy_the_protocols(backend: Backend) -> None:
+    assert isinstance(backend.queue, WorkQueue)
+    assert isinstance(backend.store, ResultStore)
+    assert isinstance(backend.notifier, Notifier)
+
+
+def test_queue_is_fifo_per_base_model_and_acks_count_pending_entries(backend: Backend) -> None:
+    queue = backend.queue
+    for i in range(5):
+        queue.enqueue(BASE, request(i))
+    queue.enqueue("other-base", request(99))
+    claimed = queue.claim(BASE, max_items=3)
+    assert ids(claimed) == ["r0", "r1", "r2"]
+    assert (queue.depth(BASE), queue.unacked(BASE), queue.depth("other-base")) == (2, 3, 1)
+    assert queue.ack(BASE, [d.delivery_id for d in claimed] + ["unknown"]) == 3
+    assert queue.ack(BASE, [claimed[0].delivery_id]) == 0  # acking twice counts once
+    assert ids(queue.claim(BASE, max_items=10)) == ["r3", "r4"]
+    assert ids(queue.claim("other-base", max_items=10)) == ["r99"]
+    assert queue.claim("nothing-here", max_items=3) == []
+    assert queue.depth("nothing-here") == 0
+
+
+def test_claim_without_timeout_returns_at_once_and_with_one_waits_for_work(backend: Backend) -> None:
+    queue = backend.queue
+    started = time.monotonic()
+    assert queue.claim(BASE, max_items=4) == []
+    assert queue.claim(BASE, max_items=4, timeout_s=0.1) == []
+    assert 0.08 <= time.monotonic() - started < 1.0
+    timer = threading.Timer(0.05, lambda: queue.enqueue(BASE, request(1)))
+    timer.start()
+    started = time.monotonic()
+    assert ids(queue.claim(BASE, max_items=8, timeout_s=5.0)) == ["r1"]
+    assert time.monotonic() - started < 2.0
+    timer.join()
+
+
+def test_recover_puts_unacked_entries_back_in_front_in_enqueue_order(backend: Backend) -> None:
+    queue = backend.queue
+    for i in range(4):
+        queue.enqueue(BASE, request(i))
+    claimed = queue.claim(BASE, max_items=3)
+    queue.ack(BASE, [claimed[1].delivery_id])
+    assert queue.recover(BASE) == 2
+    assert queue.recover(BASE) == 0  # already waiting to be claimed again
+    assert (queue.depth(BASE), queue.unacked(BASE)) == (3, 0)
+    queue.enqueue(BASE, request(4))
+    assert ids(queue.claim(BASE, max_items=2)) == ["r0", "r2"]
+    assert ids(queue.claim(BASE, max_items=10)) == ["r3", "r4"]
+    assert queue.recover("nothing-here") == 0
+
+
+def test_payload_with_numpy_arrays_survives_the_queue(backend: Backend) -> None:
+    datum = Datum(np.arange(6, dtype=np.int64), {"weights": np.linspace(0, 1, 6, dtype=np.float32)})
+    work = ForwardBackwardWork(adapter_id=None, data=[datum], loss_fn="cross_entropy")
+    backend.queue.enqueue(BASE, request(7, payload=work))
+    (delivery,) = backend.queue.claim(BASE, max_items=1)
+    got = delivery.request.payload
+    assert isinstance(got, ForwardBackwardWork) and delivery.request.kind is RequestKind.FORWARD_BACKWARD
+    np.testing.assert_array_equal(got.data[0].tokens, datum.tokens)
+    np.testing.assert_array_equal(got.data[0].loss_inputs["weights"], datum.loss_inputs["weights"])
+
+
+def test_results_live_for_their_ttl_and_can_be_replaced_or_deleted(backend: Backend) -> None:
+    store = backend.store
+    ok = StoredResult(ResultStatus.OK, b"proto-bytes")
+
+    async def scenario() -> None:
+        store.put(RequestId("a"), ok, ttl_s=0.3)
+        store.put(RequestId("b"), ok, ttl_s=60)
+        store.put(RequestId("c"), StoredResult(ResultStatus.OK, 1), ttl_s=0.3)
+        store.put(RequestId("c"), StoredResult(ResultStatus.ERROR, 2), ttl_s=60)  # replacing extends life
+        assert await store.get(RequestId("a")) == ok
+        await asyncio.sleep(0.4)
+        assert await store.get(RequestId("a")) is None
+        assert await store.get(RequestId("c")) == StoredResult(ResultStatus.ERROR, 2)
+        store.delete(RequestId("b"))
+        assert await store.get(RequestId("b")) is None
+        assert await store.get(RequestId("never")) is None
+
+    asyncio.run(scenario())
+
+
+def test_long_poll_waiter_is_woken_by_a_worker_thread(backend: Backend) -> None:
+    store, notifier = backend.store, backend.notifier
+    rid = RequestId("req-1")
+
+    def worker() -> None:
+        time.sleep(0.05)
+        store.put(rid, StoredResult(ResultStatus.OK, b"done"))
+        notifier.publish(rid)
+
+    async def long_poll() -> tuple[bool, StoredResult | None, float]:
+        assert await store.get(rid) is None
+        started = time.monotonic()
+        threading.Thread(target=worker).start()
+        woke = await notifier.wait(rid, timeout_s=5.0)
+        return woke, await store.get(rid), time.monotonic() - started
+
+    woke, result, elapsed = asyncio.run(long_poll())
+    assert woke and result == StoredResult(ResultStatus.OK, b"done")
+    assert elapsed < 1.0
+    assert notifier.waiting() == 0
+
+
+def test_wait_times_out_with_false_and_leaves_no_waiter_behind(backend: Backend) -> None:
+    async def poll() -> tuple[bool, float]:
+        started = time.monotonic()
+        return await backend.notifier.wait(RequestId("never"), timeout_s=0.1), time.monotonic() - started
+
+    woke, elapsed = asyncio.run(poll())
+    assert woke is False and elapsed >= 0.09
+    assert backend.notifier.waiting() == 0
+
+
+def test_publish_only_wakes_waiters_of_that_request(backend: Backend) -> None:
+    notifier = backend.notifier
+
+    async def scenario() -> list[bool]:
+        waits = [asyncio.create_task(notifier.wait(RequestId(f"r{i}"), timeout_s=0.5)) for i in range(3)]
+        await asyncio.sleep(0.02)
+        assert notifier.waiting() == 3
+        threading.Thread(target=notifier.publish, args=(RequestId("r1"),)).start()
+        return list(await asyncio.gather(*waits))
+
+    assert asyncio.run(scenario()) == [False, True, False]
+
+
+def test_a_wait_that_starts_after_the_publish_returns_at_once(backend: Backend) -> None:
+    backend.notifier.publish(RequestId("early"))
+    time.sleep(0.1)  # over Redis the listener thread needs a moment to receive it
+
+    async def poll(rid: str) -> bool:
+        return await backend.notifier.wait(RequestId(rid), timeout_s=0)
+
+    assert asyncio.run(poll("early")) is True
+    assert asyncio.run(poll("not-published")) is False
+
+
+def test_many_waiters_are_woken_by_one_subscription_with_low_latency(backend: Backend) -> None:
+    notifier, count = backend.notifier, 500
+    woken_at: dict[int, float] = {}
+
+    async def waiter(i: int) -> bool:
+        woke = await notifier.wait(RequestId(f"many-{i}"), timeout_s=10)
+        woken_at[i] = time.monotonic()
+        return woke
+
+    def publish_all(done: list[float]) -> None:
+        for i in range(count):
+            notifier.publish(RequestId(f"many-{i}"))
+        done.append(time.monotonic())
+
+    async def scenario() -> tuple[list[bool], float]:
+        waits = [asyncio.create_task(waiter(i)) for i in range(count)]
+        await asyncio.sleep(0.05)
+        assert notifier.waiting() == count
+        published: list[float] = []
+        thread = threading.Thread(target=publish_all, args=(published,))
+        thread.start()
+        results = list(await asyncio.gather(*waits))
+        thread.join()
+        return results, max(woken_at.values()) - published[0]
+
+    results, last_wake_after_last_publish = asyncio.run(scenario())
+    assert all(results)
+    assert last_wake_after_last_publish < 0.5
+    assert notifier.waiting() == 0
+
+
+def test_cancelled_waiter_is_discarded(backend: Backend) -> None:
+    notifier = backend.notifier
+
+    async def scenario() -> None:
+        task = asyncio.create_task(notifier.wait(RequestId("r"), timeout_s=5))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert notifier.waiting() == 0
+    notifier.publish(RequestId("r"))  # nobody left to wake; must not raise

@@ -1,0 +1,245 @@
+"""SchedulerLoop over a recording fake backend: one backend call per packed pass (many tenants), ordered
+barriers, failures confined to their item, markers and duplicates acked, results stored then announced."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.control.api import ModelCreated, OptimStepDone
+from services.domain.backend import BaseModelInfo
+from services.domain.sampling import SampledSequence, SampleResult, SampleWork
+from services.domain.training import (
+    AdamParams,
+    AdapterId,
+    Datum,
+    DatumOutput,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    LoraSpec,
+    OptimStepResult,
+    WorkError,
+)
+from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
+from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
+from services.scheduler import QueuedRequest, RequestId, RequestKind
+from services.scheduler.requests import ModelId, TenantId
+
+BASE = "fake"
+
+
+class FakeBackend:
+    """Records calls; `explode` names adapters whose passes raise."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.adapters: set[AdapterId] = set()
+        self.explode: set[AdapterId] = set()
+
+    @property
+    def info(self) -> BaseModelInfo:
+        return BaseModelInfo(BASE, "fake", 512, 128, "/nonexistent", (0,))
+
+    def create_adapter(self, adapter_id: AdapterId, spec: LoraSpec) -> None:
+        self.calls.append(("create", adapter_id))
+        self.adapters.add(adapter_id)
+
+    def drop_adapter(self, adapter_id: AdapterId) -> None:
+        self.adapters.discard(adapter_id)
+
+    def has_adapter(self, adapter_id: AdapterId) -> bool:
+        return adapter_id in self.adapters
+
+    def forward_backward(
+        self, works: Sequence[ForwardBackwardWork]
+    ) -> list[ForwardBackwardResult | WorkError]:
+        self.calls.append(("pass", [w.adapter_id for w in works]))
+        if any(w.adapter_id in self.explode for w in works):
+            raise RuntimeError("device fell over")
+        return [
+            ForwardBackwardResult(
+                [DatumOutput(np.zeros(d.length), np.zeros(d.length)) for d in w.data],
+                {"loss:sum": float(w.num_tokens)},
+            )
+            for w in works
+        ]
+
+    def optim_step(self, adapter_id: AdapterId, params: AdamParams) -> OptimStepResult:
+        self.calls.append(("optim", adapter_id))
+        return OptimStepResult({"learning_rate:mean": params.learning_rate})
+
+    def sample(self, works: Sequence[SampleWork]) -> list[SampleResult | WorkError]:
+        self.calls.append(("sample", len(works)))
+        return [SampleResult([SampledSequence([1, 2], [-0.1, -0.2], "length")]) for _ in works]
+
+    def save_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> int:
+        raise NotImplementedError
+
+    def load_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> LoraSpec:
+        raise NotImplementedError
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.backend = FakeBackend()
+        self.queue, self.results, self.notifier = (
+            InMemoryWorkQueue(),
+            InMemoryResultStore(),
+            InMemoryNotifier(),
+        )
+        self.loop = SchedulerLoop(
+            BASE,
+            self.backend,
+            self.queue,
+            self.results,
+            self.notifier,
+            config=LoopConfig(poll_s=0.02, batch_window_s=0.0),
+        )
+        self._n = 0
+
+    def put(
+        self,
+        model: str,
+        kind: RequestKind,
+        seq: int | None,
+        payload: object = None,
+        tenant: str = "t",
+        tokens: int = 0,
+        request_id: str | None = None,
+    ) -> RequestId:
+        self._n += 1
+        rid = RequestId(request_id or f"r{self._n}")
+        self.queue.enqueue(
+            BASE,
+            QueuedRequest(
+                rid, TenantId(tenant), ModelId(model), kind, seq, tokens, time.monotonic(), payload
+            ),
+        )
+        return rid
+
+    def result(self, rid: RequestId) -> object:
+        stored = self.results.get_nowait(rid)
+        assert stored is not None, f"no result for {rid}"
+        return stored.value
+
+
+def _fb(adapter: str, n: int = 4) -> ForwardBackward:
+    seq = np.arange(n + 1)
+    return ForwardBackward(
+        ForwardBackwardWork(AdapterId(adapter), [Datum(seq[:-1], {"target_tokens": seq[1:]})])
+    )
+
+
+def test_one_backend_call_per_pass_for_many_tenants() -> None:
+    rig = Rig()
+    for i, tenant in enumerate(("a", "b", "c")):
+        model = f"m{i}"
+        rig.put(
+            model,
+            RequestKind.CREATE,
+            0,
+            CreateAdapter(ModelId(model), AdapterId(model), LoraSpec(rank=2)),
+            tenant=tenant,
+        )
+    rig.loop.run_once()
+    fbs = {
+        f"m{i}": rig.put(f"m{i}", RequestKind.FORWARD_BACKWARD, 1, _fb(f"m{i}"), tenant=t, tokens=4)
+        for i, t in enumerate(("a", "b", "c"))
+    }
+    rig.loop.run_once()
+    passes = [args for kind, args in rig.backend.calls if kind == "pass"]
+    assert passes == [[AdapterId("m0"), AdapterId("m1"), AdapterId("m2")]]
+    for rid in fbs.values():
+        assert isinstance(rig.result(rid), ForwardBackwardResult)
+    stats = rig.loop.stats()
+    assert stats.passes == 1 and stats.multi_tenant_passes == 1 and stats.tenants_per_pass_total == 3
+    assert stats.barriers == 3 and rig.queue.unacked(BASE) == 0
+
+
+def test_order_markers_duplicates_and_failures() -> None:
+    rig = Rig()
+    rig.put("m", RequestKind.CREATE, 0, CreateAdapter(ModelId("m"), AdapterId("m"), LoraSpec(rank=2)))
+    opt = rig.put("m", RequestKind.OPTIM_STEP, 3, OptimStep(AdapterId("m"), AdamParams(learning_rate=0.5)))
+    rig.put("m", RequestKind.CONSUMED, 2, request_id="rejected")  # seq 2 was refused at the edge
+    fb = rig.put("m", RequestKind.FORWARD_BACKWARD, 1, _fb("m"), tokens=4)
+    rig.put("m", RequestKind.FORWARD_BACKWARD, 1, _fb("m"), tokens=4, request_id="dup")  # a redelivery
+    for _ in range(4):
+        rig.loop.run_once()
+    assert rig.result(RequestId("r1")) == ModelCreated(ModelId("m"))
+    assert isinstance(rig.result(fb), ForwardBackwardResult)
+    assert rig.result(opt) == OptimStepDone({"learning_rate:mean": 0.5})
+    assert [kind for kind, _ in rig.backend.calls] == ["create", "pass", "optim"]
+    assert (
+        rig.results.get_nowait(RequestId("rejected")) is None
+        and rig.results.get_nowait(RequestId("dup")) is None
+    )
+    assert rig.queue.unacked(BASE) == 0
+
+    rig.backend.explode.add(AdapterId("m"))
+    boom = rig.put("m", RequestKind.FORWARD_BACKWARD, 4, _fb("m"), tokens=4)
+    after = rig.put("m", RequestKind.OPTIM_STEP, 5, OptimStep(AdapterId("m"), AdamParams()))
+    sample = rig.put("s", RequestKind.SAMPLE, 0, Sample(SampleWork(None, np.array([1, 2]))))
+    for _ in range(3):
+        rig.loop.run_once()
+    error = rig.result(boom)
+    assert isinstance(error, WorkError) and error.category == "server" and "device fell over" in error.message
+    assert isinstance(rig.result(after), OptimStepDone)  # the loop carried on
+    assert isinstance(rig.result(sample), SampleResult)
+    assert rig.results.get_nowait(boom).status is ResultStatus.ERROR  # type: ignore[union-attr]
+    assert rig.loop.stats().requests_failed == 1
+
+
+def test_threaded_loop_wakes_waiters_and_stops_gracefully() -> None:
+    rig = Rig()
+    rig.loop.start()
+    try:
+        assert rig.loop.running
+
+        async def submit_and_wait() -> bool:
+            rid = rig.put("m", RequestKind.CREATE, 0, CreateAdapter(ModelId("m"), AdapterId("m"), LoraSpec()))
+            return await rig.notifier.wait(rid, 10.0)
+
+        assert asyncio.run(submit_and_wait())
+    finally:
+        rig.loop.stop(timeout_s=5.0)
+    assert not rig.loop.running and not rig.loop.stats().running
+
+
+def test_a_payload_that_is_not_a_command_fails_only_its_request() -> None:
+    rig = Rig()
+    bad = rig.put("m", RequestKind.CREATE, 0, payload={"not": "a command"})
+    rig.loop.run_once()
+    error = rig.result(bad)
+    assert isinstance(error, WorkError) and error.category == "server"
+    ok = rig.put("n", RequestKind.CREATE, 0, CreateAdapter(ModelId("n"), AdapterId("n"), LoraSpec()))
+    rig.loop.run_once()
+    assert rig.result(ok) == ModelCreated(ModelId("n"))
+
+
+@pytest.mark.parametrize("window", [0.0, 0.05])
+def test_batch_window_collects_late_arrivals(window: float) -> None:
+    rig = Rig()
+    rig.loop = SchedulerLoop(
+        BASE, rig.backend, rig.queue, rig.results, rig.notifier, config=LoopConfig(batch_window_s=window)
+    )
+    for m in ("a", "b"):
+        rig.put(m, RequestKind.CREATE, 0, CreateAdapter(ModelId(m), AdapterId(m), LoraSpec()), tenant=m)
+    rig.loop.run_once()
+    rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.start()
+    time.sleep(0.01)
+    rig.put("b", RequestKind.FORWARD_BACKWARD, 1, _fb("b"), tenant="b", tokens=4)
+    deadline = time.monotonic() + 5
+    while rig.loop.stats().requests_completed < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rig.loop.stop()
+    passes = [args for kind, args in rig.backend.calls if kind == "pass"]
+    if window:
+        assert passes == [[AdapterId("a"), AdapterId("b")]]
+    else:
+        assert sum(len(p) for p in passes) == 2
