@@ -1,0 +1,105 @@
+"""A real `carpool serve` subprocess on a free port, and tenants created through the real CLI.
+
+The e2e suites drive it with the unmodified `tinker` SDK over HTTP, exactly as a user would. The
+server runs on a tiny random-weight dev model (no hub) so the suites stay fast on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+CARPOOL = str(Path(sys.executable).with_name("carpool"))
+TINY_MODEL_NAME = "carpool/tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A running server: its URL, data dir, admin key, log file and process."""
+
+    url: str
+    data_dir: Path
+    admin_key: str
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def cli(self, *args: str) -> str:
+        """Run a `carpool` admin command against this server's state; returns stdout."""
+        proc = subprocess.run([CARPOOL, *args, "--data-dir", str(self.data_dir)], env=self.env,
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"carpool {' '.join(args)} failed: {proc.stderr}")
+        return proc.stdout
+
+    def create_tenant(self, name: str) -> str:
+        """A new tenant's API key (the last line of `carpool tenants create`)."""
+        return self.cli("tenants", "create", name).strip().splitlines()[-1]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_server(data_dir: Path, model_dir: Path, *, extra_env: dict[str, str] | None = None,
+                 timeout_s: float = 180.0) -> Server:
+    """Start `carpool serve` serving `model_dir` as TINY_MODEL_NAME; wait until /api/v1/healthz answers."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CARPOOL_DATA_DIR": str(data_dir),
+           **(extra_env or {})}
+    log_path = data_dir / "server.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [CARPOOL, "serve", "--port", str(port), "--base-model", f"{TINY_MODEL_NAME}={model_dir}"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, process, log_path, timeout_s)
+    return Server(url=url, data_dir=data_dir, admin_key=_admin_key(log_path), log_path=log_path,
+                  process=process, env=env)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"carpool serve exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    raise RuntimeError(f"carpool serve not healthy after {timeout_s}s:\n{log_path.read_text()}")
+
+
+def _admin_key(log_path: Path) -> str:
+    for line in log_path.read_text().splitlines():
+        for word in line.split():
+            if word.startswith("tml-") and len(word) > 40:
+                return word
+    return ""
