@@ -3,7 +3,8 @@
 Futures (ordered by seq_id like every training request, guarded by `SeqIdGuard`): `save_weights`
 (`save_state`, `weights/<name>`), `save_weights_for_sampler` (named `sampler_weights/<name>`, or an
 ephemeral sampler snapshot that answers a `sampling_session_id`), `save_weights_external` (a PEFT export
-under `external_weights/<name>`), `load_weights` (create-via-load or the legacy in-place load).
+under `external_weights/<name>`, every file age-encrypted to `<file>.age` when the request names
+`age_encryption_recipients`), `load_weights` (create-via-load or the legacy in-place load).
 
 REST (direct JSON answers, for `tinker.RestClient`): training runs, a run's checkpoints and the caller's
 checkpoints, delete / publish / unpublish / TTL, `weights_info`, signed `external_weights_urls`, and the
@@ -24,6 +25,7 @@ from gateway.errors import ApiError, SeqIdGuard, unsupported
 from gateway.rendering import wire_json
 from gateway.routes.training import require_seq_id
 from services.control.api import CheckpointKindName, CheckpointView, Page, SaveOptions, TrainingRunView
+from services.control.training import ExternalSaveOptions
 from services.db.ids import ModelId, SessionId
 from services.wire import WireError, check_optimizer_config
 from services.wire.paths import parse_checkpoint_id
@@ -100,13 +102,13 @@ async def save_weights_for_sampler(tenant: CurrentTenant, control: Control, body
 @router.post("/save_weights_external", response_model=UntypedAPIFuture)
 @documents_body(SaveWeightsExternalRequest)
 async def save_weights_external(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
-    """A downloadable PEFT export under `external_weights/<path>` (files via `external_weights_urls`)."""
+    """A downloadable PEFT export under `external_weights/<path>` (files via `external_weights_urls`);
+    with `age_encryption_recipients` every file is age-encrypted and served as `<file>.age`."""
     async with SeqIdGuard(control, tenant) as guard:
         request = parse_body(SaveWeightsExternalRequest, body)
         guard.track(request.model_id, request.seq_id)
-        if request.age_encryption_recipients:
-            raise WireError("age_encryption_recipients", "age encryption is not supported; omit it")
-        options = SaveOptions(request.path, request.ttl_seconds)
+        recipients = tuple(request.age_encryption_recipients or ())
+        options = ExternalSaveOptions(request.path, request.ttl_seconds, age_recipients=recipients)
         return await _submit_save(tenant, control, guard, request.model_id, request.seq_id, "external", options)
 
 

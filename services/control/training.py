@@ -4,19 +4,21 @@ Each is an ordered submission (see `submission`): checked inside the transaction
 queued as a command for the model's scheduler loop. Saves come in four forms, all barriers of the model:
 `save_weights` (training checkpoint with optimizer state, `weights/`), named `save_weights_for_sampler`
 (`sampler_weights/`, weights only), ephemeral `save_weights_for_sampler` (a snapshot adapter copy backing
-a new sampling session `{session}:sample:{k}`) and `save_weights_external` (PEFT files, `external_weights/`).
+a new sampling session `{session}:sample:{k}`) and `save_weights_external` (PEFT files, `external_weights/`;
+age-encrypted to `<file>.age` by `EncryptedSave` when the request names recipients).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+import shutil
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
-from services.control.api import CheckpointKindName, Invalid, SaveOptions, Submitted
+from services.control.api import CheckpointKindName, CheckpointRef, Invalid, SaveOptions, Submitted
 from services.control.context import ControlContext
 from services.control.models import parse_path, readable_checkpoint
 from services.control.registry import ServedModel
@@ -27,10 +29,12 @@ from services.db.errors import NotFoundError
 from services.db.ids import ModelId, SessionId, TenantId, sampling_session_id
 from services.db.models import TrainingRunRow
 from services.db.runs import create_sampling_session
-from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork
+from services.domain.backend import Backend
+from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork, WorkError
 from services.domain.validation import InvalidWork, validate_forward_backward
 from services.runtime.commands import CheckpointRecord, CopyAdapter, ForwardBackward, Load, OptimStep, Save
 from services.scheduler.requests import RequestKind
+from services.storage.encryption import EncryptionError, check_recipients, encrypt_directory
 from services.wire.paths import TYPE_TO_SEGMENT, checkpoint_path
 
 SAVE_KIND_NAMES: dict[CheckpointKindName, str] = {
@@ -40,6 +44,31 @@ SAVE_KIND_NAMES: dict[CheckpointKindName, str] = {
 }
 MAX_NAME_LENGTH = 200
 MAX_TTL_S = 10 * 365 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class ExternalSaveOptions(SaveOptions):
+    """`save_weights_external` options: a non-empty `age_recipients` encrypts every exported file."""
+
+    age_recipients: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EncryptedSave(Save):
+    """A `save_weights_external` whose files are age-encrypted (`<file>.age`) before its row is written."""
+
+    recipients: tuple[str, ...] = ()
+
+    def run(self, backend: Backend) -> object:
+        outcome = super().run(backend)
+        if not isinstance(outcome, CheckpointRef):
+            return outcome
+        try:
+            size = encrypt_directory(self.path, self.recipients)
+        except Exception as exc:  # noqa: BLE001 - any failure discards the export, never leaves plaintext
+            shutil.rmtree(self.path, ignore_errors=True)
+            return WorkError(f"encrypting {self.record.tinker_path} failed: {exc}", "server")
+        return replace(outcome, size_bytes=size)
 
 
 class TrainingOps:
@@ -114,6 +143,10 @@ class TrainingOps:
                                        "pass overwrite=True", "user")
             record = self._record(tenant, model_id, kind, name, options)
             local = self._ctx.store.local_path(record.storage_uri)
+            recipients = _age_recipients(kind, options)
+            if recipients:
+                return Prepared(RequestKind.SAVE, EncryptedSave(AdapterId(model_id), local, False, kind, record,
+                                                                recipients))
             save = Save(AdapterId(model_id), local, kind == "training", kind, record)
             return Prepared(RequestKind.SAVE, save)
 
@@ -185,6 +218,18 @@ def _validate_name(name: str | None) -> None:
     if not name or "/" in name or name in (".", "..") or len(name) > MAX_NAME_LENGTH:
         raise Invalid(f"checkpoint name must be 1-{MAX_NAME_LENGTH} characters without '/', got {name!r}",
                       field="path")
+
+
+def _age_recipients(kind: CheckpointKindName, options: SaveOptions) -> tuple[str, ...]:
+    recipients = options.age_recipients if isinstance(options, ExternalSaveOptions) else ()
+    if not recipients:
+        return ()
+    if kind != "external":
+        raise Invalid("age encryption applies to save_weights_external only", field="age_encryption_recipients")
+    try:
+        return check_recipients(recipients)
+    except EncryptionError as exc:
+        raise Invalid(str(exc), field="age_encryption_recipients") from exc
 
 
 def _validate_ttl(ttl_seconds: int) -> None:
