@@ -8,10 +8,13 @@ training client submits `forward_backward` then `optim_step` (pipelined) and wai
     tenant A  `--a-models` models, each sending `--ratio` x B's tokens per step, back to back (so A
               always has work queued and fills every pass B is not in)
 
-Phases, in one process: B alone, A alone, then A and B together. B's wait is the time from submitting
-its forward_backward to holding the result (what a user sees as latency). The last line is
-machine-readable: RESULT b_wait_ratio=X a_tokens_per_s=X (ratio = B's median wait under contention over
-B's median wait alone; A's throughput measured during the contention phase).
+Phases: B alone, A alone, then A and B together, for two scheduler configurations side by side (each its
+own service in this process, rounds interleaved so drift on a shared machine hits both alike): the default
+(passes fill the token budget) and paced passes (`--max-pass-ms`, the `CARPOOL_MAX_PASS_MS` setting). B's
+wait is the time from submitting its forward_backward to holding the result (what a user sees as latency).
+The last line is machine-readable, for the last configuration (paced unless `--max-pass-ms 0`):
+RESULT b_wait_ratio=X a_tokens_per_s=X (ratio = B's median wait beside A over B's median wait alone; A's
+throughput while B trains beside it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from services.domain.training import AdamParams, Datum, ForwardBackwardWork, Lor
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue  # noqa: E402
 from services.runtime import LoopConfig, SchedulerLoop  # noqa: E402
 from services.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from services.scheduler.scheduler import CONTENTION_WINDOW_S  # noqa: E402
 from services.storage import LocalCheckpointStore, UrlSigner  # noqa: E402
 
 BASE = "bench-base"
@@ -69,14 +73,15 @@ class Trainer:
     tokens_done: int = 0
 
 
-def build_service(model_dir: Path, data_dir: Path, args: argparse.Namespace) -> Service:
+def build_service(model_dir: Path, data_dir: Path, args: argparse.Namespace, max_pass_s: float | None) -> Service:
     from worker.engine.engine import Engine, EngineConfig
 
     db = open_database(database_url_for_data_dir(data_dir), migrate=True)
     engine = Engine(model_dir, name=BASE, config=EngineConfig(device=args.device, dtype=args.dtype,
                                                               max_tokens_per_pass=args.engine_pass_tokens))
     queue, results, notifier = InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier()
-    limits = SchedulerLimits(max_tokens_per_pass=args.max_tokens_per_pass, quantum_tokens=args.quantum)
+    limits = SchedulerLimits(max_tokens_per_pass=args.max_tokens_per_pass, quantum_tokens=args.quantum,
+                             max_pass_seconds=max_pass_s)
     loop = SchedulerLoop(BASE, engine, queue, results, notifier, scheduler=Scheduler(limits),
                          hook=DatabaseCompletionHook(db),
                          config=LoopConfig(batch_window_s=args.batch_window_ms / 1000))
@@ -147,10 +152,12 @@ async def run_until(control: ServiceControlPlane, trainer: Trainer, stop: asynci
 
 @dataclass
 class PhaseResult:
+    """One kind of phase, summed over its rounds."""
+
     name: str
-    b_waits_s: list[float]
-    a_tokens: int
-    seconds: float
+    b_waits_s: list[float] = field(default_factory=list)
+    a_tokens: int = 0
+    seconds: float = 0.0
 
     @property
     def b_median_ms(self) -> float:
@@ -167,57 +174,105 @@ class PhaseResult:
         return self.a_tokens / self.seconds if self.seconds else 0.0
 
 
-async def phase(control: ServiceControlPlane, name: str, a: list[Trainer], b: Trainer | None,
-                args: argparse.Namespace, vocab: int) -> PhaseResult:
-    rng = np.random.default_rng(0)
-    a_work = make_work(rng, vocab, args.b_tokens * args.ratio, args.seq_len)
-    b_work = make_work(rng, vocab, args.b_tokens, args.seq_len)
-    for trainer in [*a, *([b] if b else [])]:
+@dataclass
+class Workload:
+    a: list[Trainer]
+    b: Trainer
+    a_work: ForwardBackwardWork
+    b_work: ForwardBackwardWork
+
+
+async def phase(control: ServiceControlPlane, into: PhaseResult, load: Workload, *, with_a: bool,
+                with_b: bool, args: argparse.Namespace) -> None:
+    """Run one round of a phase and add what it measured to `into`."""
+    a = load.a if with_a else []
+    for trainer in [*a, load.b]:
         trainer.waits_s.clear()
         trainer.tokens_done = 0
     stop = asyncio.Event()
-    a_tasks = [asyncio.create_task(run_until(control, t, stop, a_work)) for t in a]
-    await asyncio.sleep(args.warmup_s if a else 0.0)  # A's backlog builds up before B starts measuring
+    a_tasks = [asyncio.create_task(run_until(control, t, stop, load.a_work)) for t in a]
+    # A's backlog builds up before B starts measuring; alone, A also waits out the scheduler's contention
+    # window, or passes would still be paced for B's earlier phase.
+    await asyncio.sleep(0.0 if not a else args.warmup_s if with_b else max(args.warmup_s, CONTENTION_WINDOW_S + 1))
     started = time.perf_counter()
     a_before = sum(t.tokens_done for t in a)
-    if b is not None:
-        await run_steps(control, b, args.b_steps, b_work)
+    if with_b:
+        await run_steps(control, load.b, args.b_steps, load.b_work)
     else:
         await asyncio.sleep(args.a_alone_s)
-    seconds = time.perf_counter() - started
-    a_tokens = sum(t.tokens_done for t in a) - a_before
+    into.seconds += time.perf_counter() - started
+    into.a_tokens += sum(t.tokens_done for t in a) - a_before
     stop.set()
     await asyncio.gather(*a_tasks)
-    return PhaseResult(name, list(b.waits_s) if b else [], a_tokens, seconds)
+    into.b_waits_s += load.b.waits_s if with_b else []
 
 
-async def run(service: Service, args: argparse.Namespace, vocab: int) -> list[PhaseResult]:
+@dataclass
+class Variant:
+    """One scheduler configuration under test: its own service, clients and results."""
+
+    name: str
+    service: Service
+    load: Workload
+    results: list[PhaseResult]
+
+    @property
+    def b_wait_ratio(self) -> float:
+        return self.results[2].b_median_ms / self.results[0].b_median_ms
+
+    @property
+    def a_tokens_per_s(self) -> float:
+        return self.results[2].a_tokens_per_s
+
+
+async def prepare(name: str, service: Service, args: argparse.Namespace) -> Variant:
+    """Tenants, sessions and models of one variant, and a few warm-up steps."""
     control = service.control
+    vocab = control.base_models()[0].vocab_size
     with service.db.sessions.begin() as db:
         tenant_a = create_tenant_with_key(db, "heavy-a")[0]
         tenant_b = create_tenant_with_key(db, "light-b")[0]
     session_a = await control.create_session(tenant_a, tags=[], user_metadata={}, sdk_version=None, project_id=None)
     session_b = await control.create_session(tenant_b, tags=[], user_metadata={}, sdk_version=None, project_id=None)
-    a = [await new_trainer(control, tenant_a, session_a, k, args.b_tokens * args.ratio) for k in range(args.a_models)]
+    a_tokens = args.b_tokens * args.ratio // args.a_models
+    a = [await new_trainer(control, tenant_a, session_a, k, a_tokens) for k in range(args.a_models)]
     b = await new_trainer(control, tenant_b, session_b, 0, args.b_tokens)
-    await phase(control, "warmup", [], b, argparse.Namespace(**{**vars(args), "b_steps": 3}), vocab)
-    results = [await phase(control, "B alone", [], b, args, vocab),
-               await phase(control, "A alone", a, None, args, vocab),
-               await phase(control, "A + B", a, b, args, vocab)]
-    return results
+    rng = np.random.default_rng(0)
+    load = Workload(a, b, make_work(rng, vocab, a_tokens, args.seq_len),
+                    make_work(rng, vocab, args.b_tokens, args.seq_len))
+    await run_steps(control, b, 3, load.b_work)  # warm-up: first passes allocate
+    return Variant(name, service, load, [PhaseResult("B alone"), PhaseResult("A alone"), PhaseResult("A + B")])
 
 
-def report(results: list[PhaseResult], stats_line: str) -> None:
-    print(f"{'phase':<10} {'B median wait':>14} {'B p90 wait':>11} {'B steps':>8} {'A tokens/s':>11}")
-    for r in results:
-        b_median = f"{r.b_median_ms:.1f} ms" if r.b_waits_s else "-"
-        b_p90 = f"{r.b_p90_ms:.1f} ms" if r.b_waits_s else "-"
-        a_rate = f"{r.a_tokens_per_s:.0f}" if r.a_tokens else "-"
-        print(f"{r.name:<10} {b_median:>14} {b_p90:>11} {len(r.b_waits_s):>8} {a_rate:>11}")
-    print(stats_line)
-    alone, contended = results[0], results[2]
-    ratio = contended.b_median_ms / alone.b_median_ms
-    print(f"RESULT b_wait_ratio={ratio:.2f} a_tokens_per_s={contended.a_tokens_per_s:.0f}")
+async def run(variants: list[tuple[str, Service]], args: argparse.Namespace) -> list[Variant]:
+    """B alone, A alone, A + B for every variant, in `args.rounds` interleaved rounds (drift on a shared
+    machine hits every phase and variant alike)."""
+    prepared = [await prepare(name, service, args) for name, service in variants]
+    for _ in range(args.rounds):
+        for v in prepared:
+            control, results = v.service.control, v.results
+            await phase(control, results[0], v.load, with_a=False, with_b=True, args=args)
+            await phase(control, results[1], v.load, with_a=True, with_b=False, args=args)
+            await phase(control, results[2], v.load, with_a=True, with_b=True, args=args)
+    return prepared
+
+
+def report(variants: list[Variant], args: argparse.Namespace) -> None:
+    a_tokens = args.b_tokens * args.ratio // args.a_models
+    print(f"B: 1 model x {args.b_tokens} tokens/step; A: {args.a_models} models x {a_tokens} tokens/step "
+          f"({args.ratio}x B's tokens); scheduler budget {args.max_tokens_per_pass} tokens; {args.rounds} rounds")
+    print(f"{'scheduler':<22} {'phase':<8} {'B median':>9} {'B p90':>9} {'B steps':>8} {'A tokens/s':>11}")
+    for v in variants:
+        for r in v.results:
+            b_median = f"{r.b_median_ms:.0f} ms" if r.b_waits_s else "-"
+            b_p90 = f"{r.b_p90_ms:.0f} ms" if r.b_waits_s else "-"
+            a_rate = f"{r.a_tokens_per_s:.0f}" if r.a_tokens else "-"
+            print(f"{v.name:<22} {r.name:<8} {b_median:>9} {b_p90:>9} {len(r.b_waits_s):>8} {a_rate:>11}")
+        stats = v.service.loop.stats()
+        print(f"{v.name:<22} b_wait_ratio {v.b_wait_ratio:.2f}; passes {stats.passes}, mean tokens/pass "
+              f"{stats.tokens / max(1, stats.passes):.0f}, mean tenants/pass {stats.mean_tenants_per_pass:.2f}")
+    last = variants[-1]  # the configuration asked for (paced when --max-pass-ms is set)
+    print(f"RESULT b_wait_ratio={last.b_wait_ratio:.2f} a_tokens_per_s={last.a_tokens_per_s:.0f}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -227,14 +282,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, default=None, help="serve this model instead of a dev model")
     parser.add_argument("--b-tokens", type=int, default=64, help="tokens of B's forward_backward")
     parser.add_argument("--ratio", type=int, default=10, help="A's tokens per request over B's")
-    parser.add_argument("--a-models", type=int, default=4, help="A's models, each training back to back")
+    parser.add_argument("--a-models", type=int, default=10,
+                        help="A's models, each training back to back; A's tokens are split among them")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per datum")
-    parser.add_argument("--b-steps", type=int, default=30, help="B's measured steps per phase")
-    parser.add_argument("--a-alone-s", type=float, default=10.0, help="length of the A-alone phase")
+    parser.add_argument("--b-steps", type=int, default=10, help="B's measured steps per phase and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three phases")
+    parser.add_argument("--a-alone-s", type=float, default=4.0, help="length of an A-alone round")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="A runs this long before B measures")
     parser.add_argument("--max-tokens-per-pass", type=int, default=32768, help="scheduler pass budget")
     parser.add_argument("--engine-pass-tokens", type=int, default=8192, help="engine micro-batch budget")
     parser.add_argument("--quantum", type=int, default=SchedulerLimits().quantum_tokens)
+    parser.add_argument("--max-pass-ms", type=float, default=40.0,
+                        help="pass pacing of the second variant (CARPOOL_MAX_PASS_MS); 0: unpaced variant only")
+    parser.add_argument("--no-unpaced", action="store_true", help="skip the unpaced (default settings) variant")
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
@@ -246,6 +306,9 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING)
     args = parse_args()
+    configs: list[tuple[str, float | None]] = [] if args.no_unpaced else [("unpaced (default)", None)]
+    if args.max_pass_ms > 0:
+        configs.append((f"max_pass_ms={args.max_pass_ms:g}", args.max_pass_ms / 1000))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if model_dir is None:
@@ -253,17 +316,15 @@ def main() -> None:
 
             model_dir = build_dev_model(Path(tmp) / "model", layers=args.layers, hidden=args.hidden, vocab=2048,
                                         seed=0)
-        service = build_service(model_dir, Path(tmp) / "data", args)
-        vocab = service.control.base_models()[0].vocab_size
+        services = [(name, build_service(model_dir, Path(tmp) / f"data-{i}", args, max_pass_s))
+                    for i, (name, max_pass_s) in enumerate(configs)]
         try:
-            results = asyncio.run(run(service, args, vocab))
-            stats = service.loop.stats()
-            stats_line = (f"passes {stats.passes}, mean tenants/pass {stats.mean_tenants_per_pass:.2f}, "
-                          f"tokens {stats.tokens}, busy {stats.busy_seconds:.1f} s")
+            variants = asyncio.run(run(services, args))
         finally:
-            service.loop.stop()
-            service.db.dispose()
-        report(results, stats_line)
+            for _, service in services:
+                service.loop.stop()
+                service.db.dispose()
+        report(variants, args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ to the caller to print once; nothing here logs a key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TextIO
 
 from sqlalchemy import func, select
@@ -26,6 +26,8 @@ from services.db.tenants import (
     get_tenant_by_name,
     list_tenants,
     revoke_api_keys_by_prefix,
+    set_tenant_quotas,
+    tenant_quotas,
 )
 
 ADMIN_TENANT = "admin"
@@ -43,6 +45,8 @@ class TenantSummary:
     disabled: bool
     live_keys: int
     max_models: int | None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
 
 
 def open_admin_database(settings: ServiceSettings) -> Database:
@@ -71,6 +75,33 @@ def create_tenant(settings: ServiceSettings, name: str, *, is_admin: bool = Fals
                                           quotas=TenantQuotas(max_models=max_models))
     except ConflictError as exc:
         raise AdminError(str(exc)) from exc
+    finally:
+        db.dispose()
+
+
+def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) -> tuple[str, TenantQuotas]:
+    """Change some of a tenant's quotas (`max_models`, `tokens_per_minute`, `max_concurrent_requests`).
+
+    A change of None leaves that quota as it is; 0 removes it (the server-wide default applies again).
+    Returns (tenant name, the quotas now in force). Gateways pick them up within their auth cache time.
+    """
+    unknown = set(changes) - {"max_models", "tokens_per_minute", "max_concurrent_requests"}
+    if unknown:
+        raise AdminError(f"unknown quota {sorted(unknown)[0]!r}")
+    negative = [name for name, value in changes.items() if value is not None and value < 0]
+    if negative:
+        raise AdminError(f"{negative[0]} must be >= 0 (0 removes the limit)")
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            row = get_tenant_by_name(session, tenant) or get_tenant(session, TenantId(tenant))
+            if row is None:
+                raise AdminError(f"no tenant named {tenant!r}; see `carpool tenants list`")
+            current = asdict(tenant_quotas(row))
+            merged = {k: (v if changes.get(k) is None else (changes[k] or None)) for k, v in current.items()}
+            quotas = TenantQuotas(**merged)
+            set_tenant_quotas(session, TenantId(row.id), quotas)
+            return row.name, quotas
     finally:
         db.dispose()
 
@@ -134,4 +165,5 @@ def bootstrap_admin(db: Database, out: TextIO) -> bool:
 
 
 def _summary(row: TenantRow, live_keys: int) -> TenantSummary:
-    return TenantSummary(row.id, row.name, row.is_admin, row.disabled, live_keys, row.max_models)
+    return TenantSummary(row.id, row.name, row.is_admin, row.disabled, live_keys, row.max_models,
+                         row.tokens_per_minute, row.max_concurrent_requests)

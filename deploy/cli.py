@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import typer
 
+from deploy.cluster_commands import register as register_cluster_commands
 from deploy.commands import register as register_service_commands
 
 app = typer.Typer(no_args_is_help=True, help="Carpool: multi-tenant LoRA training on a shared base model.")
@@ -72,6 +73,7 @@ def _fail(message: str) -> NoReturn:
 app.command("dev-model")(dev_model)
 app.command("fetch-model")(fetch_model)
 register_service_commands(app)
+register_cluster_commands(app)
 
 
 def main() -> None:

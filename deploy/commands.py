@@ -1,4 +1,4 @@
-"""The service commands of the `carpool` CLI: `serve`, `migrate`, `tenants ...` and `keys ...`.
+"""The service commands of the `carpool` CLI: `serve`, `migrate`, `tenants ...` (incl. `set-quota`), `keys ...`.
 
 Thin typer wrappers: options become `ServiceSettings` overrides (so `--data-dir` beats
 `$CARPOOL_DATA_DIR`, which beats the default `./data`; `$CARPOOL_DATABASE_URL` picks another database),
@@ -52,13 +52,24 @@ def serve(
     data_dir: Path | None = _data_dir_option(),
     device: str | None = typer.Option(None, help="Torch device [env: CARPOOL_DEVICE]."),
     dtype: str | None = typer.Option(None, help="Torch dtype [env: CARPOOL_DTYPE]."),
+    mode: str = typer.Option("embedded", "--mode", help=(
+        "embedded: everything in this process. cluster: the gateway only, against the cluster's PostgreSQL "
+        "and Redis (workers and schedulers run elsewhere).")),
 ) -> None:
     """Run the whole service in this process: HTTP gateway, scheduler and one worker per base model."""
     from deploy.embedded import StartupError
     from deploy.embedded import serve as run_service
 
-    settings = _settings(base_models=base_model or None, host=host, port=port, data_dir=data_dir,
-                         device=device, dtype=dtype)
+    overrides = {"base_models": base_model or None, "host": host, "port": port, "data_dir": data_dir,
+                 "device": device, "dtype": dtype}
+    if mode == "cluster":
+        from deploy.cluster_commands import serve_cluster_gateway
+
+        serve_cluster_gateway(overrides)
+        return
+    if mode != "embedded":
+        _fail(f"--mode must be embedded or cluster, got {mode!r}")
+    settings = _settings(**overrides)
     try:
         run_service(settings)
     except StartupError as exc:
@@ -93,17 +104,43 @@ def tenants_create(
     typer.echo(issued.key)
 
 
+@tenants_app.command("set-quota")
+def tenants_set_quota(
+    name: str = typer.Argument(..., help="Tenant name (or id)."),
+    tokens_per_minute: int | None = typer.Option(None, help="Tokens the tenant may submit per minute (0: no limit)."),
+    max_concurrent: int | None = typer.Option(None, help="Unfinished requests the tenant may have (0: no limit)."),
+    max_models: int | None = typer.Option(None, help="Models the tenant may hold at once (0: no limit)."),
+    data_dir: Path | None = _data_dir_option(),
+) -> None:
+    """Change a tenant's quotas; options left out keep their value. Over a quota, requests get HTTP 429."""
+    from deploy.admin import AdminError, set_quotas
+
+    try:
+        tenant, quotas = set_quotas(_settings(data_dir=data_dir), name, tokens_per_minute=tokens_per_minute,
+                                    max_concurrent_requests=max_concurrent, max_models=max_models)
+    except AdminError as exc:
+        _fail(str(exc))
+
+    def shown(value: int | None) -> str:
+        return "unlimited" if value is None else str(value)
+
+    typer.echo(f"quotas of {tenant}: tokens_per_minute={shown(quotas.tokens_per_minute)} "
+               f"max_concurrent={shown(quotas.max_concurrent_requests)} max_models={shown(quotas.max_models)}")
+
+
 @tenants_app.command("list")
 def tenants_list(data_dir: Path | None = _data_dir_option()) -> None:
-    """List tenants with their live key counts."""
+    """List tenants with their live key counts and quotas ("-": the server default applies)."""
     from deploy.admin import tenant_summaries
 
     rows = tenant_summaries(_settings(data_dir=data_dir))
-    typer.echo(f"{'NAME':<24} {'ID':<32} {'ADMIN':<6} {'DISABLED':<9} {'KEYS':<5} MAX_MODELS")
+    typer.echo(f"{'NAME':<24} {'ID':<32} {'ADMIN':<6} {'DISABLED':<9} {'KEYS':<5} {'MAX_MODELS':<11} "
+               f"{'TOKENS/MIN':<11} MAX_CONCURRENT")
     for t in rows:
-        limit = "-" if t.max_models is None else str(t.max_models)
+        limits = ["-" if v is None else str(v) for v in (t.max_models, t.tokens_per_minute,
+                                                         t.max_concurrent_requests)]
         typer.echo(f"{t.name:<24} {t.id:<32} {str(t.is_admin).lower():<6} {str(t.disabled).lower():<9} "
-                   f"{t.live_keys:<5} {limit}")
+                   f"{t.live_keys:<5} {limits[0]:<11} {limits[1]:<11} {limits[2]}")
 
 
 @keys_app.command("create")

@@ -23,6 +23,7 @@ from deploy.settings import BaseModelSpec, ServiceSettings
 from services.auth.log_redaction import RedactApiKeysFilter
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
+from services.control.quotas import QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, open_database
@@ -131,8 +132,10 @@ def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:
 
 
 def _scheduler(settings: ServiceSettings) -> Scheduler:
+    max_pass_s = settings.max_pass_ms / 1000 if settings.max_pass_ms is not None else None
     return Scheduler(SchedulerLimits(max_tokens_per_pass=settings.max_tokens_per_step,
-                                     max_adapters_per_pass=settings.max_adapters_per_pass))
+                                     max_adapters_per_pass=settings.max_adapters_per_pass,
+                                     max_pass_seconds=max_pass_s))
 
 
 def _checkpoint_store(settings: ServiceSettings) -> LocalCheckpointStore:
@@ -144,7 +147,15 @@ def _control_options(settings: ServiceSettings) -> ControlOptions:
     return ControlOptions(long_poll_max_s=settings.long_poll_seconds,
                           download_url_ttl_s=float(settings.download_url_ttl_seconds),
                           default_max_models=settings.default_max_models_per_tenant,
-                          scratch_dir=settings.scratch_dir)
+                          scratch_dir=settings.scratch_dir, quotas=_quota_options(settings))
+
+
+def _quota_options(settings: ServiceSettings) -> QuotaOptions:
+    return QuotaOptions(default_tokens_per_minute=settings.default_tokens_per_minute,
+                        default_max_concurrent_requests=settings.default_max_concurrent_requests,
+                        token_window_s=settings.quota_window_seconds,
+                        saturation_queue_depth=settings.saturation_queue_depth,
+                        saturation_wait_s=settings.saturation_wait_seconds)
 
 
 def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> Any:

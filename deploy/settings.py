@@ -79,6 +79,26 @@ class ServiceSettings(BaseSettings):
         "How long the scheduler waits after work arrives for more, so tenants' requests share a pass."))
     default_max_models_per_tenant: int | None = Field(None, ge=1, description=(
         "Models per tenant when the tenant has no max_models quota of its own; unset: unlimited."))
+    default_tokens_per_minute: int | None = Field(None, ge=1, description=(
+        "Tokens a tenant may submit per minute (forward/backward tokens; prompt + max_tokens x num_samples "
+        "for sampling) when it has no tokens_per_minute quota of its own; unset: unlimited."))
+    default_max_concurrent_requests: int | None = Field(None, ge=1, description=(
+        "Unfinished (queued or running) requests per tenant when it has no max_concurrent_requests quota of "
+        "its own; unset: unlimited."))
+    quota_window_seconds: float = Field(60.0, gt=0, description=(
+        "Window of the tokens_per_minute quota: a tenant's token bucket refills its full limit over this "
+        "long. Keep 60 (per minute); tests shorten it."))
+    saturation_queue_depth: int | None = Field(256, ge=1, description=(
+        "Requests queued for one base model from which pending futures report queue_state "
+        "paused_capacity (the SDK logs it); unset: never by depth."))
+    saturation_wait_seconds: float | None = Field(30.0, gt=0, description=(
+        "A request still queued (not running) after this long reports queue_state paused_capacity; unset: "
+        "never by wait."))
+    max_pass_ms: float | None = Field(None, gt=0, description=(
+        "While two or more tenants train, pace packed passes to about this long (the token budget follows the "
+        "measured throughput; one request always fits), which bounds how long a light tenant's request waits "
+        "behind a heavy tenant's running pass. Unset: passes fill max_tokens_per_step (most packing, best "
+        "throughput)."))
     download_url_ttl_seconds: int = Field(3600, ge=60, description="Lifetime of signed download URLs.")
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
 
@@ -131,3 +151,44 @@ class ServiceSettings(BaseSettings):
     @property
     def models_dir(self) -> Path:
         return self.cache_dir or self.data_dir / "models"
+
+
+class ClusterSettings(ServiceSettings):
+    """Settings of the cluster processes (`carpool serve --mode cluster`, `scheduler`, `worker`, `cluster up`).
+
+    Everything of `ServiceSettings` applies (limits, data dir for checkpoints); `database_url` must point at
+    PostgreSQL shared by every process, and the data dir (checkpoints, snapshots) must be shared storage.
+    """
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description=(
+        "Redis of the queue, results, wake-ups, replica membership and the durability log. Production Redis "
+        "must persist with AOF (appendonly yes, appendfsync always to lose nothing acknowledged)."))
+    redis_prefix: str = Field("carpool", description="Prefix of every Redis key (several clusters may share "
+                              "one Redis under different prefixes).")
+    cluster_config: Path | None = Field(None, description=(
+        "TOML file describing worker deployments per base model (replicas, num_cpus, num_gpus); see "
+        "deploy/cluster.toml. Unset: every base model of base_models with `replicas` replicas."))
+    replicas: int = Field(1, ge=1, description="Worker replicas per base model (when no cluster_config).")
+    replica_num_cpus: float = Field(0.5, ge=0, description="CPUs Ray reserves per worker replica.")
+    replica_num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per worker replica.")
+    ray_address: str | None = Field(None, description=(
+        "Ray cluster to join (`auto`, or ray://host:10001); unset: `cluster up` starts a local Ray."))
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray `cluster up` starts.")
+    heartbeat_ttl_seconds: float = Field(5.0, gt=0, description=(
+        "A replica whose heartbeat is this old is suspected; after as long again it is declared dead and its "
+        "adapters are restored on other replicas."))
+    snapshot_every_steps: int = Field(5, ge=1, description=(
+        "Optimizer steps per adapter between durability snapshots (weights + optimizer state); the request "
+        "log replayed after a replica failure holds at most this many steps."))
+    snapshot_dir: Path | None = Field(None, description=(
+        "Shared directory of adapter snapshots; default: <data_dir>/snapshots."))
+    scheduler_lease_seconds: float = Field(10.0, gt=0, description=(
+        "TTL of the per-base-model scheduler lease; a standby takes over this long after the active one died."))
+    model_info_wait_seconds: float = Field(600.0, gt=0, description=(
+        "How long a cluster gateway waits at start-up for the workers to publish their base models."))
+    replica_wait_seconds: float = Field(300.0, gt=0, description=(
+        "How long a scheduler waits for a live replica before failing a request."))
+
+    @property
+    def resolved_snapshot_dir(self) -> Path:
+        return self.snapshot_dir or self.data_dir / "snapshots"

@@ -38,19 +38,21 @@ _api_key_scheme = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, descriptio
 _bearer_scheme = HTTPBearer(auto_error=False, description="API key `tml-...` as a bearer token")
 
 
-def app_settings(request: Request) -> GatewaySettings:
+# These read `app.state` only, so they are coroutines: FastAPI runs a plain `def` dependency in its thread
+# pool, a hop (and, under load, a wait for a free thread) on every request.
+async def app_settings(request: Request) -> GatewaySettings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
-def control_plane(request: Request) -> ControlPlane:
+async def control_plane(request: Request) -> ControlPlane:
     return request.app.state.control  # type: ignore[no-any-return]
 
 
-def authenticator(request: Request) -> Authenticator:
+async def authenticator(request: Request) -> Authenticator:
     return request.app.state.auth  # type: ignore[no-any-return]
 
 
-def sample_render_cache(request: Request) -> SampleRenderCache:
+async def sample_render_cache(request: Request) -> SampleRenderCache:
     return request.app.state.sample_render  # type: ignore[no-any-return]
 
 
@@ -86,7 +88,7 @@ async def request_body(request: Request) -> bytes:
 RawBody = Annotated[bytes, Depends(request_body)]
 
 
-def public_base_url(request: Request, settings: SettingsDep) -> str:
+async def public_base_url(request: Request, settings: SettingsDep) -> str:
     """Externally visible base URL without a trailing `/` (settings first, else the request's own)."""
     if settings.public_base_url:
         return settings.public_base_url.rstrip("/")

@@ -1,7 +1,8 @@
 """Futures of the Tinker API: retrieve_future (long-poll), retrieve_futures, cancel_future.
 
 `retrieve_future` holds the request up to `long_poll_seconds` (the SDK re-polls *immediately* on
-`try_again`, and its read timeout is 45 s), then answers per protocol §3.2, always with HTTP 200:
+`try_again`, and its read timeout is 45 s; each hold is cut short by a random 0-20 % so that polls opened
+together do not all come back in the same instant), then answers per protocol §3.2, always with HTTP 200:
 - pending → `{"type": "try_again", "request_id", "queue_state"}`;
 - failed → `{"error", "category"}` (the SDK raises `RequestFailedError`);
 - done → the kind's result: protobuf for forward / forward_backward / sample when `Accept` asks for
@@ -10,6 +11,8 @@ Only an unknown (or another tenant's) request id is a 404, which the SDK treats 
 """
 
 from __future__ import annotations
+
+import random
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +33,10 @@ from services.wire.control import CancelFutureRequest, FutureRetrieveRequest, Fu
 from services.wire.responses import TryAgainResponse
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])
+
+LONG_POLL_JITTER = 0.2
+"""Fraction of `long_poll_seconds` a hold may be shortened by, at random: hundreds of long-polls opened at
+once (a client starting many requests) would otherwise all time out and re-poll in one burst, every cycle."""
 
 PAUSED_REASONS = {
     "paused_capacity": "the server is at capacity; the request is queued",
@@ -53,7 +60,8 @@ async def retrieve_future(
 ) -> Response:
     """Long-poll one future (answers `TryAgainResponse`, `RequestFailedResponse`, or the result)."""
     poll = parse_body(FutureRetrieveRequest, body)
-    state = await control.retrieve(tenant, RequestId(poll.request_id), settings.long_poll_seconds)
+    hold = settings.long_poll_seconds * (1.0 - LONG_POLL_JITTER * random.random())
+    state = await control.retrieve(tenant, RequestId(poll.request_id), hold)
     if isinstance(state, Pending):
         return wire_json(try_again(poll.request_id, state))
     if isinstance(state, Failed):

@@ -221,7 +221,7 @@ DEFAULT_SESSIONS_LIMIT = 20
 async def list_sessions(
     tenant: CurrentTenant, control: Control,
     limit: Annotated[int, Query(ge=1, le=1000)] = DEFAULT_SESSIONS_LIMIT,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
     access_scope: AccessScope = "owned",
 ) -> JSONResponse:
     """The caller's session ids, newest first."""

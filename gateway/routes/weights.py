@@ -56,7 +56,7 @@ router = APIRouter(prefix="/api/v1", tags=["weights"])
 
 MAX_PAGE = 1000
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="Page size")]
-Offset = Annotated[int, Query(ge=0, description="Items to skip")]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="Items to skip")]
 
 
 # -- futures ------------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ import re
 from services.auth.keys import KEY_PREFIX, key_prefix
 
 # Looser than keys.KEY_PATTERN on purpose: a truncated or slightly malformed key is still a secret.
-_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{8,}")
 REDACTED_SUFFIX = "…[redacted]"
+# The lookahead leaves an already redacted key alone, so applying the filter twice (logger and handler,
+# as `install_key_redaction` does) does not append a second marker.
+_KEY_IN_TEXT = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{8,}(?!" + re.escape(REDACTED_SUFFIX) + ")")
 
 
 def _redact_match(match: re.Match[str]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +21,7 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
+from services.control.quotas import QuotaGate, QuotaOptions
 from services.control.registry import ModelRegistry, ServedModel
 from services.db.columns import utcnow
 from services.db.database import Database
@@ -49,6 +50,8 @@ class ControlOptions:
     """Models per tenant when the tenant row sets no `max_models` (None: unlimited)."""
     scratch_dir: Path | None = None
     """Where adapter copies for ephemeral samplers are staged (None: the system temp dir)."""
+    quotas: QuotaOptions = field(default_factory=QuotaOptions)
+    """Quota defaults and timings, and the saturation thresholds of `queue_state` (see `quotas`)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class ControlContext:
     registry: ModelRegistry
     options: ControlOptions
     clock: Callable[[], datetime] = utcnow
+    quotas: QuotaGate = field(default_factory=QuotaGate)
 
     async def tx(self, fn: Callable[[Session], _T]) -> _T:
         """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""

@@ -4,18 +4,25 @@ Ownership is checked through the request log (another tenant's request id is "no
 unknown one). Then the long-poll pattern of `services.jobqueue`: result store → if nothing, wait on the
 notifier → result store again. A request that ended but whose result is gone (expired after its TTL, or
 lost with a restarted process) is answered from its request-log row, so a client never polls forever.
+A pending answer carries a `queue_state`: `paused_capacity` while the request still waits to run on a
+saturated base model (`quotas.QuotaGate.capacity_state`), else `active`; the SDK logs the change.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import cast, get_args
+
+from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import Done, Failed, FutureState, NotFound, Outcome, Pending, RequestKindName
 from services.control.context import ControlContext, not_found
-from services.db.ids import RequestId, TenantId
+from services.control.quotas import QueueStateName, queued_seconds
+from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
 from services.db.models import RequestRow
 from services.db.request_log import UNFINISHED, get_request
+from services.db.runs import get_sampling_session, get_training_run
 from services.domain.training import WorkError
 from services.jobqueue.protocol import ResultStatus, StoredResult
 
@@ -52,9 +59,27 @@ class FutureOps:
         """Still unfinished when the wait began: look at the row again (another process may have ended it)."""
         row = await self._owned(tenant, request_id)
         if row.status in UNFINISHED:
-            return Pending()
+            return Pending(await self._queue_state(tenant, row))
         stored = await self._ctx.results.get(request_id)
         return outcome_of(row.kind, stored) if stored is not None else _from_row(row)
+
+    async def _queue_state(self, tenant: Tenant, row: RequestRow) -> QueueStateName:
+        quotas = self._ctx.quotas
+        queued_for = queued_seconds(row.status, row.created_at, self._ctx.clock())
+        state = quotas.capacity_state(queued_for_s=queued_for, backlog=None)
+        if queued_for is None or state != "active":
+            return state  # running, or waiting long enough to say so without looking at the backlog
+        return quotas.capacity_state(queued_for_s=queued_for, backlog=await self._backlog(tenant, row))
+
+    async def _backlog(self, tenant: Tenant, row: RequestRow) -> int | None:
+        """Requests queued for the request's base model: the loop's own count when it runs here."""
+        base_model = await self._ctx.tx(lambda db: _base_model_of(db, TenantId(tenant.id), row))
+        served = self._ctx.registry.get(base_model) if base_model else None
+        if served is None:
+            return None
+        if served.stats is not None:
+            return served.stats().queued
+        return await asyncio.to_thread(self._ctx.queue.depth, served.queue)
 
 
 def outcome_of(kind: str, stored: StoredResult) -> FutureState:
@@ -70,6 +95,16 @@ def outcome_of(kind: str, stored: StoredResult) -> FutureState:
     if kind not in _KIND_NAMES:
         return Failed(f"request of kind {kind!r} has no result to show", "server")
     return Done(cast(RequestKindName, kind), cast(Outcome, value))
+
+
+def _base_model_of(db: Session, tenant_id: TenantId, row: RequestRow) -> str | None:
+    if row.model_id is not None:
+        run = get_training_run(db, tenant_id, ModelId(row.model_id))
+        return run.base_model if run is not None else None
+    if row.sampling_session_id is not None:
+        sampler = get_sampling_session(db, tenant_id, SamplingSessionId(row.sampling_session_id))
+        return sampler.base_model if sampler is not None else None
+    return None
 
 
 def _from_row(row: RequestRow) -> FutureState:

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
-from services.control.api import Conflict, Invalid, ModelInfo, NotFound, QuotaExceeded, Submitted
+from services.control.api import Conflict, Invalid, ModelInfo, NotFound, Submitted
 from services.control.context import ControlContext, not_found, request_for_seq
 from services.control.registry import ServedModel
 from services.db.checkpoints import get_readable_checkpoint
@@ -25,14 +25,12 @@ from services.db.errors import NotFoundError
 from services.db.ids import ModelId, RequestId, SessionId, TenantId, training_run_id
 from services.db.models import CheckpointRow, TrainingRunRow
 from services.db.request_log import record_request
-from services.db.runs import count_active_training_runs, create_training_run, get_training_run, reserve_seq_id
+from services.db.runs import create_training_run, get_training_run, reserve_seq_id
 from services.domain.training import AdapterId, LoraSpec
 from services.runtime.commands import CreateAdapter, Load
 from services.scheduler.requests import RequestKind
 from services.wire.errors import WireError
 from services.wire.paths import TinkerPath, parse_tinker_path
-
-QUOTA_RETRY_AFTER_S = 60.0
 
 
 def lora_config_of(spec: LoraSpec) -> dict[str, Any]:
@@ -140,15 +138,9 @@ class ModelOps:
             raise NotFound(not_found("session", new.session_id), field="session_id") from exc
 
     def _check_quota(self, db: Session, tenant: Tenant) -> None:
-        limit = tenant.quotas.max_models
-        if limit is None:
-            limit = self._ctx.options.default_max_models
-        if limit is None:
-            return
-        active = count_active_training_runs(db, TenantId(tenant.id))
-        if active >= limit:
-            raise QuotaExceeded(f"tenant {tenant.name} already has {active} models, its limit is {limit}",
-                                retry_after_s=QUOTA_RETRY_AFTER_S)
+        """Model and concurrency quotas (see `quotas`); a refusal raises before anything is written."""
+        self._ctx.quotas.check_models(db, tenant)
+        self._ctx.quotas.check_concurrency(db, tenant)
 
 
 def readable_checkpoint(db: Session, tenant: Tenant,

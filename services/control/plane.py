@@ -33,8 +33,9 @@ from services.control.catalog import CatalogOps
 from services.control.context import ControlContext, ControlOptions
 from services.control.futures import FutureOps
 from services.control.models import ModelOps
+from services.control.quotas import QuotaGate, QuotaStore
 from services.control.registry import ModelRegistry, ServedModel
-from services.control.samplers import SamplerDirectory
+from services.control.samplers import LoadLedger, SamplerBindings, SamplerDirectory
 from services.control.sampling import SamplingOps
 from services.control.sessions import SessionOps
 from services.control.submission import OrderedSubmitter
@@ -53,14 +54,19 @@ class ServiceControlPlane:
 
     def __init__(self, db: Database, queue: WorkQueue, results: ResultStore, notifier: Notifier,
                  store: CheckpointStore, models: ModelRegistry | Iterable[ServedModel],
-                 options: ControlOptions | None = None) -> None:
+                 options: ControlOptions | None = None, *, samplers: SamplerBindings | None = None,
+                 loads: LoadLedger | None = None, quota_store: QuotaStore | None = None) -> None:
+        """`samplers` / `loads` default to this process's memory; several gateways share Redis-backed ones.
+        `quota_store` likewise (token buckets): default in-process, a `RedisQuotaStore` in cluster mode."""
         registry = models if isinstance(models, ModelRegistry) else ModelRegistry(models)
-        self.ctx = ControlContext(db, queue, results, notifier, store, registry, options or ControlOptions())
-        samplers = SamplerDirectory()
+        options = options or ControlOptions()
+        quotas = QuotaGate(options.quotas, quota_store, default_max_models=options.default_max_models)
+        self.ctx = ControlContext(db, queue, results, notifier, store, registry, options, quotas=quotas)
+        samplers = samplers or SamplerDirectory()
         self._sessions = SessionOps(self.ctx)
         self._models = ModelOps(self.ctx)
         self._training = TrainingOps(self.ctx, OrderedSubmitter(self.ctx), samplers)
-        self._sampling = SamplingOps(self.ctx, samplers)
+        self._sampling = SamplingOps(self.ctx, samplers, loads)
         self._futures = FutureOps(self.ctx)
         self._catalog = CatalogOps(self.ctx)
 

@@ -9,8 +9,12 @@ A sampling session samples from one of three things:
 - the bare base model: no adapter.
 
 Loads go through the base model's scheduler loop like any request: the pseudo-model named after the
-adapter gets seq 0 for its first load attempt, seq 1 after a failed one, and so on. The bindings live in
-this process (adapters do not outlive it either, in the embedded deployment).
+adapter gets seq 0 for its first load attempt, seq 1 after a failed one, and so on.
+
+Where the bindings and load attempts live is pluggable: `SamplerDirectory` / `MemoryLoadLedger` keep them
+in this process (the embedded deployment, where adapters do not outlive the process either); a cluster
+with several gateway processes plugs in shared ones (`services.control.redis_state`), so any gateway can
+serve any sampling session and two gateways never start competing loads of one checkpoint.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 from services.auth.tenants import Tenant
 from services.control.api import Invalid, Unavailable
@@ -49,8 +54,16 @@ class SamplerBinding:
     """None: the bare base model."""
 
 
+class SamplerBindings(Protocol):
+    """Sampling session id → binding. `bind` is called from transactions on worker threads."""
+
+    def bind(self, sampling_id: SamplingSessionId, binding: SamplerBinding) -> None: ...
+
+    def get(self, sampling_id: SamplingSessionId) -> SamplerBinding | None: ...
+
+
 class SamplerDirectory:
-    """Sampling session id → binding; thread-safe (written from transactions on worker threads)."""
+    """`SamplerBindings` in this process; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -72,59 +85,103 @@ class CheckpointToLoad:
     local_path: Path
 
 
-@dataclass
-class _LoadState:
+@dataclass(frozen=True)
+class LoadAttempt:
+    """One attempt at loading a checkpoint's sampler adapter (attempt n is seq n of its pseudo-model)."""
+
     request_id: RequestId
     attempt: int
     ok: bool = False
-    started_at: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)
+    """Wall clock, so that every process of a cluster reads it alike."""
+
+
+class LoadLedger(Protocol):
+    """The latest load attempt per sampler adapter. Calls are quick (memory, or one Redis round trip)."""
+
+    def current(self, adapter_id: AdapterId) -> LoadAttempt | None: ...
+
+    def begin(self, adapter_id: AdapterId, attempt: LoadAttempt) -> LoadAttempt:
+        """Record `attempt` unless one with its number (or a later one) is recorded; return the one that
+        stands. Only the process whose attempt stands enqueues the load; the others wait for it."""
+        ...
+
+    def mark_ok(self, adapter_id: AdapterId, attempt: int) -> None: ...
+
+
+class MemoryLoadLedger:
+    """`LoadLedger` in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._attempts: dict[AdapterId, LoadAttempt] = {}
+
+    def current(self, adapter_id: AdapterId) -> LoadAttempt | None:
+        with self._lock:
+            return self._attempts.get(adapter_id)
+
+    def begin(self, adapter_id: AdapterId, attempt: LoadAttempt) -> LoadAttempt:
+        with self._lock:
+            known = self._attempts.get(adapter_id)
+            if known is not None and known.attempt >= attempt.attempt:
+                return known
+            self._attempts[adapter_id] = attempt
+            return attempt
+
+    def mark_ok(self, adapter_id: AdapterId, attempt: int) -> None:
+        with self._lock:
+            known = self._attempts.get(adapter_id)
+            if known is not None and known.attempt == attempt:
+                self._attempts[adapter_id] = replace(known, ok=True)
 
 
 class CheckpointLoader:
     """Loads each checkpoint into its shared sampler adapter once; concurrent callers share the wait."""
 
-    def __init__(self, ctx: ControlContext) -> None:
+    def __init__(self, ctx: ControlContext, ledger: LoadLedger | None = None) -> None:
         self._ctx = ctx
-        self._states: dict[AdapterId, _LoadState] = {}
+        self._ledger = ledger or MemoryLoadLedger()
         self._locks: dict[AdapterId, asyncio.Lock] = {}
 
     async def ensure(self, tenant: Tenant, served: ServedModel, checkpoint: CheckpointToLoad) -> AdapterId:
         """The checkpoint's adapter, loaded (waiting for the load if needed). Raises if it cannot load."""
         adapter_id = checkpoint_adapter_id(checkpoint.tinker_path, checkpoint.row_id)
         async with self._locks.setdefault(adapter_id, asyncio.Lock()):
-            state = self._states.get(adapter_id)
-            status = "failed" if state is None else await self._status(state)
+            state = await asyncio.to_thread(self._ledger.current, adapter_id)
+            status = "failed" if state is None else await self._status(adapter_id, state)
             if status == "ok":
                 return adapter_id
             if status == "failed":
-                state = self._start(tenant, served, checkpoint, adapter_id, state)
+                state = await self._start(tenant, served, checkpoint, adapter_id, state)
             assert state is not None
-            await self._wait(state, checkpoint.tinker_path)
+            await self._wait(adapter_id, state, checkpoint.tinker_path)
         return adapter_id
 
-    async def _status(self, state: _LoadState) -> str:
+    async def _status(self, adapter_id: AdapterId, state: LoadAttempt) -> str:
         """`ok`, `pending` (no result yet: wait for it) or `failed` (try again)."""
         if state.ok:
             return "ok"
         stored = await self._ctx.results.get(state.request_id)
         if stored is None:
             # A result nobody saw before it expired reads as missing for good: load again then.
-            stale = time.monotonic() - state.started_at > 2 * self._ctx.options.sampler_load_timeout_s
+            stale = time.time() - state.started_at > 2 * self._ctx.options.sampler_load_timeout_s
             return "failed" if stale else "pending"
-        state.ok = stored.status is ResultStatus.OK
-        return "ok" if state.ok else "failed"
+        if stored.status is not ResultStatus.OK:
+            return "failed"
+        await asyncio.to_thread(self._ledger.mark_ok, adapter_id, state.attempt)
+        return "ok"
 
-    def _start(self, tenant: Tenant, served: ServedModel, checkpoint: CheckpointToLoad, adapter_id: AdapterId,
-               previous: _LoadState | None) -> _LoadState:
-        attempt = 0 if previous is None else previous.attempt + 1
-        state = _LoadState(new_request_id(), attempt)
-        self._states[adapter_id] = state
-        command = Load(adapter_id, checkpoint.local_path, False, ModelId(adapter_id), checkpoint.tinker_path)
-        self._ctx.enqueue(served, tenant, state.request_id, adapter_id, RequestKind.LOAD, attempt,
-                          payload=command)
-        return state
+    async def _start(self, tenant: Tenant, served: ServedModel, checkpoint: CheckpointToLoad,
+                     adapter_id: AdapterId, previous: LoadAttempt | None) -> LoadAttempt:
+        attempt = LoadAttempt(new_request_id(), 0 if previous is None else previous.attempt + 1)
+        standing = await asyncio.to_thread(self._ledger.begin, adapter_id, attempt)
+        if standing.request_id == attempt.request_id:
+            command = Load(adapter_id, checkpoint.local_path, False, ModelId(adapter_id), checkpoint.tinker_path)
+            self._ctx.enqueue(served, tenant, attempt.request_id, adapter_id, RequestKind.LOAD, attempt.attempt,
+                              payload=command)
+        return standing
 
-    async def _wait(self, state: _LoadState, tinker_path: str) -> None:
+    async def _wait(self, adapter_id: AdapterId, state: LoadAttempt, tinker_path: str) -> None:
         deadline = time.monotonic() + self._ctx.options.sampler_load_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             wait = min(left, self._ctx.options.long_poll_max_s)
@@ -132,7 +189,7 @@ class CheckpointLoader:
             if stored is None:
                 continue
             if stored.status is ResultStatus.OK:
-                state.ok = True
+                await asyncio.to_thread(self._ledger.mark_ok, adapter_id, state.attempt)
                 return
             error = stored.value
             if not isinstance(error, WorkError):

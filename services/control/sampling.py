@@ -20,7 +20,7 @@ from services.control.api import Invalid, NotFound, SampleSubmitted
 from services.control.context import ControlContext, ephemeral_save_for, not_found, sample_request_for_seq
 from services.control.models import parse_path, readable_checkpoint
 from services.control.registry import ServedModel
-from services.control.samplers import CheckpointLoader, CheckpointToLoad, SamplerBinding, SamplerDirectory
+from services.control.samplers import CheckpointLoader, CheckpointToLoad, LoadLedger, SamplerBinding, SamplerBindings
 from services.db.errors import NotFoundError
 from services.db.ids import RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import SamplingSessionRow
@@ -39,10 +39,10 @@ _LOCK_STRIPES = 64
 
 
 class SamplingOps:
-    def __init__(self, ctx: ControlContext, samplers: SamplerDirectory) -> None:
+    def __init__(self, ctx: ControlContext, samplers: SamplerBindings, loads: LoadLedger | None = None) -> None:
         self._ctx = ctx
         self._samplers = samplers
-        self._loader = CheckpointLoader(ctx)
+        self._loader = CheckpointLoader(ctx, loads)
         self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
 
     async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
@@ -83,7 +83,8 @@ class SamplingOps:
         work = replace(work, adapter_id=binding.adapter_id)
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
-            request_id, is_new = await self._ctx.tx(lambda db: self._log_tx(db, tenant, sampler_id, seq_id))
+            tokens = sample_tokens(work)
+            request_id, is_new = await self._ctx.tx(lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens))
             if is_new:
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
@@ -96,13 +97,16 @@ class SamplingOps:
         return row
 
     def _log_tx(self, db: Session, tenant: Tenant, sampler_id: SamplingSessionId,
-                seq_id: int | None) -> tuple[RequestId, bool]:
+                seq_id: int | None, tokens: int) -> tuple[RequestId, bool]:
         if seq_id is not None:
             existing = sample_request_for_seq(db, sampler_id, seq_id)
             if existing is not None:
                 return existing.id, False
+        # Quotas only for new requests; a 429 rolls back, so the SDK's retry (same seq_id) starts afresh.
+        self._ctx.quotas.check_concurrency(db, tenant)
         row = record_request(db, TenantId(tenant.id), "sample", sampling_session_id=sampler_id, seq_id=seq_id,
                              now=self._ctx.clock())
+        self._ctx.quotas.charge_tokens(tenant, tokens)
         return row.id, True
 
     async def _bind_checkpoint(self, tenant: Tenant, session_id: SessionId, model_path: str,
@@ -136,6 +140,11 @@ class SamplingOps:
             binding = SamplerBinding(row.base_model, None)
         self._samplers.bind(sampler_id, binding)
         return binding
+
+
+def sample_tokens(work: SampleWork) -> int:
+    """What a sample request counts against `tokens_per_minute`: its prompt plus the most it may generate."""
+    return int(work.prompt.shape[0]) + work.num_samples * work.params.max_tokens
 
 
 def _validate(work: SampleWork, served: ServedModel) -> None:

@@ -6,7 +6,9 @@ gets the same id, never a 409. A new request is checked by its `Preparer` inside
 logs it; if the check refuses it, the seq id is still consumed (a failed row, a `CONSUMED` marker on the
 queue and an error result), because the SDK moves on to the next seq id and the model must not wait for
 this one forever. A refusal is raised to the caller (4xx), or — for a `FailedSubmission` such as a
-checkpoint name clash — reported through the future instead.
+checkpoint name clash — reported through the future instead. Quota refusals (`QuotaExceeded`, 429) are the
+exception: they are raised before anything is logged, so the SDK's retry of the same seq id can still be
+accepted (`quotas` consumes the seq id only if the retries stop).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
-from services.control.api import Conflict, ControlError, Invalid, NotFound, Submitted
+from services.control.api import Conflict, ControlError, Invalid, NotFound, QuotaExceeded, Submitted
 from services.control.context import ControlContext, not_found, request_for_seq
+from services.control.quotas import QuotaGate
 from services.control.registry import ServedModel
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
 from services.db.models import TrainingRunRow
@@ -81,7 +84,11 @@ class OrderedSubmitter:
         self._ctx = ctx
 
     async def submit(self, call: OrderedCall) -> Submitted:
-        decision = await self._decide(call)
+        try:
+            decision = await self._decide(call)
+        except QuotaExceeded as exc:
+            self._ctx.quotas.refused(call.tenant, call.model_id, call.seq_id, exc.retry_after_s, self.consume)
+            raise
         if not decision.duplicate:
             self._dispatch(call, decision)
         if isinstance(decision.refusal, ControlError):
@@ -117,20 +124,39 @@ class OrderedSubmitter:
         if existing is not None:
             return _duplicate(existing.id, existing.kind, call)
         served = self._ctx.registry.for_run(run.base_model)
+        quotas = None if call.kind_name == REJECTED_KIND else self._ctx.quotas
+        if quotas is not None:
+            quotas.check_concurrency(db, call.tenant, model_id=call.model_id, seq_id=call.seq_id)
         decision = _Decision(RequestId(""), served=served)
         try:
             decision.prepared = call.prepare(db, run, served)
+        except QuotaExceeded:
+            raise
         except (ControlError, FailedSubmission) as exc:
             decision.refusal = exc
         ssid = decision.prepared.sampling_session_id if decision.prepared else None
         row = record_request(db, tenant_id, call.kind_name, model_id=call.model_id,
                              sampling_session_id=ssid, seq_id=call.seq_id, now=self._ctx.clock())
         reserve_seq_id(db, tenant_id, call.model_id, call.seq_id, now=self._ctx.clock())
+        if decision.refusal is None and quotas is not None:
+            self._charge(quotas, call, decision)
         if decision.refusal is not None:
             error, category = _refusal_text(decision.refusal)
             mark_request_failed(db, tenant_id, row.id, error=error, category=category, now=self._ctx.clock())
         decision.request_id = row.id
         return decision
+
+    @staticmethod
+    def _charge(quotas: QuotaGate, call: OrderedCall, decision: _Decision) -> None:
+        """Charge the tokens last: a 429 rolls the whole transaction back (nothing logged, nothing reserved);
+        a request too large for the tenant's bucket ever is refused like any invalid one."""
+        assert decision.prepared is not None
+        try:
+            quotas.charge_tokens(call.tenant, decision.prepared.num_tokens)
+        except QuotaExceeded:
+            raise
+        except ControlError as exc:
+            decision.refusal = exc
 
     def _dispatch(self, call: OrderedCall, decision: _Decision) -> None:
         """After commit: queue the work, or consume the seq id and publish the error."""

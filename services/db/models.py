@@ -167,7 +167,7 @@ class RequestRow(Base):
         ForeignKey("sampling_sessions.id"), index=True
     )
     kind: Mapped[str] = mapped_column(String(32))
-    seq_id: Mapped[int | None] = mapped_column(Integer)
+    seq_id: Mapped[int | None] = mapped_column(BigInteger)
     status: Mapped[RequestStatus] = mapped_column(String(16), default="queued", index=True)
     error: Mapped[str | None] = mapped_column(Text)
     category: Mapped[str | None] = mapped_column(String(16))

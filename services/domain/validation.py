@@ -24,6 +24,11 @@ class InvalidWork(ValueError):
         self.message = message
 
 
+MAX_TOPK_PROMPT_CELLS = 16 * 1024 * 1024
+"""Most `len(prompt) * topk_prompt_logprobs` of one sample request: the result pads every prompt position
+to k (token id + logprob, 8 bytes a cell), so this bounds it at 128 MiB."""
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int
@@ -114,5 +119,13 @@ def validate_sample(work: SampleWork, limits: ModelLimits, max_samples: int = 12
         raise InvalidWork("sampling_params.top_k", f"must be -1 (off) or >= 1, got {p.top_k}")
     if work.topk_prompt_logprobs < 0:
         raise InvalidWork("topk_prompt_logprobs", "must be >= 0")
+    if work.topk_prompt_logprobs > limits.vocab_size:
+        raise InvalidWork("topk_prompt_logprobs",
+                          f"must be <= the vocabulary size {limits.vocab_size}, got {work.topk_prompt_logprobs}")
+    cells = int(work.prompt.shape[0]) * work.topk_prompt_logprobs
+    if cells > MAX_TOPK_PROMPT_CELLS:
+        raise InvalidWork("topk_prompt_logprobs",
+                          f"len(prompt) x k = {cells} exceeds the limit of {MAX_TOPK_PROMPT_CELLS} (the rows are "
+                          "returned densely); ask for a smaller k or a shorter prompt")
     if p.stop and all(isinstance(s, int) for s in p.stop):
         _check_ids(np.asarray(p.stop, dtype=np.int64), "sampling_params.stop", limits.vocab_size)

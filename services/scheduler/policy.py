@@ -6,7 +6,13 @@ Pure decisions over values: no clock, no I/O, no knowledge of what a request com
 Fairness is weighted deficit round robin by tokens (Shreedhar & Varghese): every backlogged tenant earns
 `quantum_tokens * weight` per round and spends it on the tokens of the requests it sends, so over time
 tenants share passes in proportion to their weights whatever their request sizes; a tenant sending ten
-times the tokens gets no more than its share, and a small request waits at most a few rounds.
+times the tokens gets no more than its share, and a small request waits at most a few rounds. The quantum
+of a pass is at most its token budget: a tenant's leftover credit then covers at most about one pass, so a
+newly backlogged tenant (credit 0) is not held back for many small paced passes.
+
+Latency: a running pass cannot be pre-empted, so a request that arrives mid-pass waits for it. With
+`max_pass_seconds`, `PassPacer` turns the measured throughput into a per-pass token budget that keeps
+passes about that long; that bounds the wait of a light tenant beside a heavy one.
 """
 
 from __future__ import annotations
@@ -33,8 +39,14 @@ class SchedulerLimits:
     max_sample_batch: int = 64
     """Sampling requests in one batched generate call."""
     max_sample_batches_per_step: int = 1
+    max_pass_seconds: float | None = None
+    """Keep each pass about this long while several tenants contend: the pass's token budget shrinks to what
+    the measured throughput runs in this time (never below one request). Bounds how long a tenant's request
+    waits for the pass that is running. None: passes fill `max_tokens_per_pass`."""
 
     def __post_init__(self) -> None:
+        if self.max_pass_seconds is not None and not self.max_pass_seconds > 0:
+            raise ValueError(f"max_pass_seconds must be > 0, got {self.max_pass_seconds}")
         for name in (
             "max_tokens_per_pass",
             "max_adapters_per_pass",
@@ -47,15 +59,49 @@ class SchedulerLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+class PassPacer:
+    """Turns a pass-duration target into a token budget, from the throughput of recent passes.
+
+    The measured rate includes each pass's fixed cost, so the budget settles where a pass takes the target
+    time: a too-small budget runs fast, raises the measured rate and so the next budget.
+    """
+
+    def __init__(self, target_s: float | None, smoothing: float = 0.3) -> None:
+        self._target_s = target_s
+        self._smoothing = smoothing
+        self._tokens_per_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._tokens_per_s
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A pass of `tokens` took `seconds` (from dispatch to completion)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        previous = self._tokens_per_s
+        self._tokens_per_s = rate if previous is None else previous + self._smoothing * (rate - previous)
+
+    def budget(self, hard_limit: int) -> int:
+        """Tokens the next pass may hold (before the first measurement: the hard limit)."""
+        if self._target_s is None or self._tokens_per_s is None:
+            return hard_limit
+        return max(1, min(hard_limit, int(self._tokens_per_s * self._target_s)))
+
+
 @dataclass
 class _PassRoom:
-    """What is left of the pass being built."""
+    """What is left of the pass being built. An empty pass takes any one request up to `hard_limit`."""
 
     tokens_left: int
     adapters_left: int
+    hard_limit: int
     models: set[ModelId] = field(default_factory=set)
 
     def fits(self, request: QueuedRequest) -> bool:
+        if not self.models:
+            return request.num_tokens <= self.hard_limit and self.adapters_left > 0
         if request.num_tokens > self.tokens_left:
             return False
         return request.model_id in self.models or self.adapters_left > 0
@@ -93,12 +139,20 @@ class _Lane:
     def take(self, run_index: int) -> None:
         self._taken[run_index] += 1
 
+    def largest_head(self) -> int:
+        """Tokens of the largest request at the front of a run (what credit may need to be saved for)."""
+        return max((run[i].num_tokens for run, i in zip(self._runs, self._taken, strict=True) if i < len(run)),
+                   default=0)
+
 
 class FairPacker:
     """Builds passes by weighted deficit round robin over tenants; keeps deficits between passes."""
 
     def __init__(self, quantum_tokens: int, weights: Mapping[TenantId, float] | None = None) -> None:
         self._quantum = quantum_tokens
+        self._round_quantum = quantum_tokens
+        """The quantum of the pass being built: no larger than its token budget, so that when passes are
+        paced small a tenant's credit runs out within a few passes and the others' turn comes."""
         self._weights: dict[TenantId, float] = {}
         for tenant, weight in (weights or {}).items():
             self.set_weight(tenant, weight)
@@ -117,14 +171,20 @@ class FairPacker:
     def deficit(self, tenant_id: TenantId) -> float:
         return self._deficits.get(tenant_id, 0.0)
 
-    def pack(self, runs: Sequence[Sequence[QueuedRequest]], limits: SchedulerLimits) -> list[QueuedRequest]:
+    def pack(self, runs: Sequence[Sequence[QueuedRequest]], limits: SchedulerLimits,
+             token_budget: int | None = None) -> list[QueuedRequest]:
         """Choose the next pass from `runs` (each: one model's consecutive pass-kind requests in seq order).
 
-        Returns the chosen requests; from every run they form a prefix, so the caller can pop them.
+        `token_budget` (default: `limits.max_tokens_per_pass`) may be smaller than the hard limit; a first
+        request larger than it still goes alone. Returns the chosen requests; from every run they form a
+        prefix, so the caller can pop them.
         """
+        hard = limits.max_tokens_per_pass
+        budget = hard if token_budget is None else min(token_budget, hard)
+        self._round_quantum = min(self._quantum, budget)
         lanes = self._lanes(runs)
         self._forget_idle(lanes)
-        room = _PassRoom(limits.max_tokens_per_pass, limits.max_adapters_per_pass)
+        room = _PassRoom(budget, limits.max_adapters_per_pass, hard)
         order = sorted(lanes, key=lambda t: (self._last_served.get(t, -1), t))
         chosen: list[QueuedRequest] = []
         while order:
@@ -169,10 +229,10 @@ class FairPacker:
             found = lanes[tenant].head(room)
             assert found is not None
             need = found[1].num_tokens - self._deficits[tenant]
-            rounds = min(rounds, math.ceil(need / (self._quantum * self.weight(tenant))))
+            rounds = min(rounds, math.ceil(need / (self._round_quantum * self.weight(tenant))))
         grant = max(1, int(rounds))
         for tenant in order:
-            self._deficits[tenant] += grant * self._quantum * self.weight(tenant)
+            self._deficits[tenant] += grant * self._round_quantum * self.weight(tenant)
 
     def _lanes(self, runs: Sequence[Sequence[QueuedRequest]]) -> dict[TenantId, _Lane]:
         lanes: dict[TenantId, _Lane] = {}
@@ -182,8 +242,15 @@ class FairPacker:
         return lanes
 
     def _forget_idle(self, lanes: Mapping[TenantId, _Lane]) -> None:
-        """Classic DRR: a tenant with nothing queued loses its unused credit, so it cannot hoard it."""
-        self._deficits = {t: self._deficits.get(t, 0.0) for t in lanes}
+        """Classic DRR: a tenant with nothing queued loses its unused credit, so it cannot hoard it. (Granting a
+        returning tenant a quantum instead would let a tenant that goes idle between requests jump the queue
+        forever: a tenant whose big request needs saved-up credit would never get it.)"""
+        self._deficits = {t: min(self._deficits.get(t, 0.0), self._credit_cap(t, lane)) for t, lane in lanes.items()}
+
+    def _credit_cap(self, tenant_id: TenantId, lane: _Lane) -> float:
+        """Credit kept from pass to pass: a round's quantum, or what the tenant saves up for its biggest head.
+        Credit left over from large passes would otherwise keep others out of many small paced ones."""
+        return max(self._round_quantum * self.weight(tenant_id), float(lane.largest_head()))
 
 
 def pick_sample_batch(

@@ -200,8 +200,11 @@ class StepPlan:
 
     @property
     def items(self) -> tuple[PlanItem, ...]:
-        """Every item to dispatch (rejected completions are not items: nothing to run)."""
-        return (*self.barriers, *self.passes, *self.sample_batches)
+        """Every item to dispatch (rejected completions are not items: nothing to run), in the order a
+        loop that runs them one by one should use: packed passes and sample batches first (they carry
+        every tenant's latency), barriers last (each holds up only its own model, which is not in this
+        step's passes anyway; a slow save must not delay everyone's pass)."""
+        return (*self.passes, *self.sample_batches, *self.barriers)
 
     @property
     def is_empty(self) -> bool:

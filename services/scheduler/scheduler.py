@@ -10,6 +10,11 @@ Rules that keep per-model semantics while models share passes:
   while earlier passes of that model are in flight (they commute: weights change only at barriers);
 - a barrier (optim_step / save / load / create) is dispatched only when nothing of its model is in
   flight, and while it is, nothing else of that model is planned; it never blocks other models.
+
+Passes are timed from dispatch (or the previous item's completion, as the loop runs items one by one) to
+`complete()`, which feeds the `PassPacer` behind `SchedulerLimits.max_pass_seconds`. Pacing applies only
+under contention (pass work of two or more tenants within `CONTENTION_WINDOW_S`): a tenant training alone
+keeps full passes.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from services.domain.training import WorkError
 from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
-from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
+from services.scheduler.policy import FairPacker, PassPacer, SchedulerLimits, pick_sample_batch
 from services.scheduler.requests import (
     Admission,
     BarrierPlan,
@@ -40,6 +45,10 @@ from services.scheduler.requests import (
     TenantId,
     error_completion,
 )
+
+CONTENTION_WINDOW_S = 5.0
+"""How recently another tenant must have had pass work for passes to be paced (a training loop's requests
+come back within a few passes; an idle tenant should not cost the busy one its packing)."""
 
 
 class Scheduler:
@@ -61,6 +70,10 @@ class Scheduler:
         self._sequencer = Sequencer(dedupe_window)
         self._sample_dedupe = UnorderedDedupe()
         self._packer = FairPacker(self.limits.quantum_tokens, tenant_weights)
+        self._pacer = PassPacer(self.limits.max_pass_seconds)
+        self._planned_at: dict[PlanItemId, float] = {}
+        self._pass_tenants_seen: dict[TenantId, float] = {}
+        self._last_completed_at = float("-inf")
         self._ready: dict[ModelId, deque[QueuedRequest]] = {}
         self._samples: dict[TenantId, deque[QueuedRequest]] = {}
         self._rejected: list[Completion] = []
@@ -123,6 +136,7 @@ class Scheduler:
         if self._in_flight.get(item.item_id) is not item:
             return []
         del self._in_flight[item.item_id]
+        self._time_item(item)
         for model_id in _models_of(item):
             self._busy[model_id] -= 1
             if not self._busy[model_id]:
@@ -226,13 +240,27 @@ class Scheduler:
         passes: list[PassPlan] = []
         for _ in range(self.limits.max_passes_per_step):
             runs = [run for run in self._pass_runs() if run]
-            chosen = self._packer.pack(runs, self.limits) if runs else []
+            budget = self._pass_budget(runs)
+            chosen = self._packer.pack(runs, self.limits, budget) if runs else []
             if not chosen:
                 break
             plan = PassPlan(self._new_item_id(), self._take_segments(chosen))
             self._track(plan)
             passes.append(plan)
         return tuple(passes)
+
+    def _pass_budget(self, runs: list[list[QueuedRequest]]) -> int:
+        """The paced budget while tenants contend for passes, else the whole token budget."""
+        hard = self.limits.max_tokens_per_pass
+        if self.limits.max_pass_seconds is None:
+            return hard
+        now = self._clock()
+        for run in runs:
+            self._pass_tenants_seen[run[0].tenant_id] = now
+        self._pass_tenants_seen = {
+            t: at for t, at in self._pass_tenants_seen.items() if now - at <= CONTENTION_WINDOW_S
+        }
+        return self._pacer.budget(hard) if len(self._pass_tenants_seen) > 1 else hard
 
     def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
         """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""
@@ -273,12 +301,21 @@ class Scheduler:
         self._ready = {m: q for m, q in self._ready.items() if q}
         self._samples = {t: q for t, q in self._samples.items() if q}
 
+    def _time_item(self, item: PlanItem) -> None:
+        """Feed a finished pass's duration to the pacer (items of one step run one after another)."""
+        now = self._clock()
+        planned_at = self._planned_at.pop(item.item_id, now)
+        if isinstance(item, PassPlan):
+            self._pacer.observe(item.num_tokens, now - max(planned_at, self._last_completed_at))
+        self._last_completed_at = now
+
     def _new_item_id(self) -> PlanItemId:
         return PlanItemId(next(self._item_ids))
 
     def _track(self, item: PlanItem) -> None:
         """Mark an item in flight right away, so later phases of the same step see its models busy."""
         self._in_flight[item.item_id] = item
+        self._planned_at[item.item_id] = self._clock()
         for model_id in _models_of(item):
             self._busy[model_id] = self._busy.get(model_id, 0) + 1
         if isinstance(item, BarrierPlan):

@@ -181,6 +181,8 @@ def datum_to_domain(datum: DatumArrays, loss_fn: domain.LossFnName, field: str) 
         raise WireError(target_field, "token ids must be >= 0")
     loss_inputs = {"target_tokens": target}
     for key in domain.LOSS_INPUTS[loss_fn]:
+        if key == "weights" and key not in inputs:
+            continue  # cross_entropy without weights: every target counts once (the SDK's own example)
         loss_inputs[key] = _float_input(
             _required_input(inputs, key, loss_fn, field), target.shape, f"{field}.loss_fn_inputs.{key}"
         )

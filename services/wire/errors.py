@@ -88,6 +88,8 @@ def parse_request(model: type[ModelT], body: bytes | str | Mapping[str, Any]) ->
             raw = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise WireError("body", f"is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # json.loads recurses per nesting level
+            raise WireError("body", "is nested too deeply to be a request body") from exc
     else:
         raw = body
     if not isinstance(raw, Mapping):

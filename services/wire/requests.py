@@ -247,7 +247,7 @@ class SampleRequest(WireRequest):
     """Sessionless form: weights path."""
     sampling_session_id: Id | None = None
     """Sampling session to run in."""
-    seq_id: int | None = Field(default=None, ge=0)
+    seq_id: int | None = Field(default=None, ge=0, le=2**63 - 1)
     """Per-sampling-client counter (clones: clone_id * 10**9 + n); dedupe key with the session."""
     prompt_logprobs: bool | None = None
     """Also return the prompt's logprobs (entry 0 is None)."""

@@ -2,6 +2,11 @@
 
 The e2e suites drive it with the unmodified `tinker` SDK over HTTP, exactly as a user would. The
 server runs on a tiny random-weight dev model (no hub) so the suites stay fast on two cores.
+
+Two modes: `embedded` (`carpool serve`, everything in one process, SQLite) and `cluster` (`carpool
+cluster up`: Ray Serve worker, scheduler service and gateway over PostgreSQL and Redis; see
+`tests/e2e/cluster_mode.py`). `start_server` uses `default_mode()` unless told otherwise; the e2e
+conftest sets it per module (`CARPOOL_E2E_MODES`, `CARPOOL_E2E_CLUSTER_MODULES`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +25,19 @@ import httpx
 
 CARPOOL = str(Path(sys.executable).with_name("carpool"))
 TINY_MODEL_NAME = "carpool/tiny-qwen3"
+MODES = ("embedded", "cluster")
+_mode = ["embedded"]
+
+
+def default_mode() -> str:
+    return _mode[0]
+
+
+def set_default_mode(mode: str) -> None:
+    """The mode `start_server` uses when not told (the e2e conftest sets it per module)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown e2e mode {mode!r}; one of {MODES}")
+    _mode[0] = mode
 
 
 def free_port() -> int:
@@ -37,6 +56,8 @@ class Server:
     log_path: Path
     process: subprocess.Popen[bytes]
     env: dict[str, str] = field(default_factory=dict)
+    mode: str = "embedded"
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def cli(self, *args: str) -> str:
         """Run a `carpool` admin command against this server's state; returns stdout."""
@@ -57,29 +78,46 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=20 if self.mode == "embedded" else 90)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        while self.cleanups:
+            self.cleanups.pop()()
 
 
-def start_server(data_dir: Path, model_dir: Path, *, extra_env: dict[str, str] | None = None,
-                 timeout_s: float = 180.0) -> Server:
-    """Start `carpool serve` serving `model_dir` as TINY_MODEL_NAME; wait until /api/v1/healthz answers."""
+def start_server(data_dir: Path, model_dir: Path | None = None, *, extra_env: dict[str, str] | None = None,
+                 timeout_s: float = 180.0, base_model_spec: str | None = None, mode: str | None = None) -> Server:
+    """Start `carpool serve` serving `model_dir` as TINY_MODEL_NAME (or `base_model_spec`, a `NAME=SOURCE`
+    such as `HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m`); wait until /api/v1/healthz answers.
+    `mode` (default: `default_mode()`) picks `carpool serve` or `carpool cluster up`."""
+    if base_model_spec is None:
+        if model_dir is None:
+            raise ValueError("start_server needs model_dir or base_model_spec")
+        base_model_spec = f"{TINY_MODEL_NAME}={model_dir}"
+    mode = mode or default_mode()
     port = free_port()
+    args, mode_env, cleanups = ["serve", "--port", str(port), "--base-model", base_model_spec], {}, []
+    if mode == "cluster":
+        from tests.e2e.cluster_mode import cluster_launch
+
+        args, mode_env, cleanups = cluster_launch(port, base_model_spec)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CARPOOL_DATA_DIR": str(data_dir),
-           **(extra_env or {})}
+           **mode_env, **(extra_env or {})}
     log_path = data_dir / "server.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [CARPOOL, "serve", "--port", str(port), "--base-model", f"{TINY_MODEL_NAME}={model_dir}"],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )
+        process = subprocess.Popen([CARPOOL, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, process, log_path, timeout_s)
-    return Server(url=url, data_dir=data_dir, admin_key=_admin_key(log_path), log_path=log_path,
-                  process=process, env=env)
+    server = Server(url=url, data_dir=data_dir, admin_key="", log_path=log_path, process=process, env=env,
+                    mode=mode, cleanups=cleanups)
+    try:
+        _wait_healthy(url, process, log_path, timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    server.admin_key = _admin_key(log_path)
+    return server
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:

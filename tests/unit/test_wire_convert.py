@@ -70,12 +70,17 @@ def test_ppo_work_with_config_and_topk_targets() -> None:
     assert work.loss_config == {"clip_low_threshold": 0.8} and work.adapter_id is None
 
 
+def test_cross_entropy_without_weights_is_accepted() -> None:
+    """The SDK's own `forward` example sends no weights: every target then counts once (engine default)."""
+    work = forward_backward_work(call(datum(target_tokens=np.array([2, 3, 4], np.int64))), ADAPTER)
+    assert set(work.data[0].loss_inputs) == {"target_tokens"}
+
+
 @pytest.mark.parametrize(
     ("the_call", "field"),
     [
         (call(datum(**ce_inputs()), loss_fn="gspo"), "loss_fn"),
         (call(), "data"),
-        (call(datum(target_tokens=np.array([2, 3, 4], np.int64))), "data[0].loss_fn_inputs.weights"),
         (
             call(datum(target_tokens=np.array([2.0, 3, 4], np.float32), weights=np.ones(3, np.float32))),
             "data[0].loss_fn_inputs.target_tokens.dtype",

@@ -1,0 +1,151 @@
+"""`carpool cluster up` and `carpool worker`: a whole cluster on one box, and workers for containers.
+
+    cluster up ─▶ PostgreSQL database (CARPOOL_DATABASE_URL, or `carpool` on the local server, created
+                  and migrated) ─▶ local Ray ─▶ Serve worker deployments ─▶ one SchedulerService per base
+                  model ─▶ cluster gateway on --port ─▶ until SIGINT/SIGTERM, then everything stops
+
+Every part is the production one (the same processes `carpool worker`, `carpool scheduler` and `carpool
+serve --mode cluster` run separately); only the schedulers share the gateway's process here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from deploy.cluster_gateway import build_cluster_gateway
+from deploy.cluster_wiring import cluster_config, connect_redis, open_cluster_database, process_name
+from deploy.embedded import StartupError, install_key_redaction
+from deploy.scheduler_service import SchedulerService
+from deploy.settings import ClusterSettings
+from services.db.engine import normalize_database_url
+from services.db.schema import upgrade_to_head
+from worker.serve.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+LOCAL_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/carpool"
+
+
+def ensure_database(settings: ClusterSettings) -> ClusterSettings:
+    """Settings pointing at a migrated PostgreSQL database (created on the local server if unset)."""
+    url = settings.database_url
+    if not url:
+        url = LOCAL_DATABASE_URL
+        _create_database_if_missing(url)
+        log.info("using %s; point the admin commands at it: export CARPOOL_DATABASE_URL=%s", url, url)
+    url = normalize_database_url(url)
+    upgrade_to_head(url)
+    return settings.model_copy(update={"database_url": url})
+
+
+def _create_database_if_missing(url: str) -> None:
+    target = make_url(url)
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as connection:
+            exists = connection.execute(text("SELECT 1 FROM pg_database WHERE datname = :name"),
+                                        {"name": target.database}).first()
+            if not exists:
+                connection.execute(text(f'CREATE DATABASE "{target.database}"'))
+    except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the operator
+        raise StartupError(f"cannot create the database at {target.render_as_string(hide_password=True)}: {exc}\n"
+                           "Fix: start PostgreSQL or set CARPOOL_DATABASE_URL.") from exc
+    finally:
+        admin.dispose()
+
+
+def start_ray(settings: ClusterSettings, config: ClusterConfig) -> None:
+    """Join `ray_address`, or start a local Ray sized for this box."""
+    import ray
+
+    from worker.serve.app import deploy_workers
+
+    if settings.ray_address:
+        ray.init(address=settings.ray_address)
+    else:
+        ray.init(num_cpus=settings.ray_num_cpus or os.cpu_count() or 1, include_dashboard=False)
+    deploy_workers(config)
+
+
+def stop_ray(settings: ClusterSettings, config: ClusterConfig) -> None:
+    """Remove our workers (a joined cluster keeps its other Serve apps) and leave Ray."""
+    import ray
+    from ray import serve
+
+    from worker.serve.app import remove_workers
+
+    try:
+        if settings.ray_address:
+            remove_workers(config)
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def cluster_up(settings: ClusterSettings) -> None:
+    """Run everything until interrupted."""
+    import uvicorn
+
+    install_key_redaction()
+    logging.getLogger().setLevel(settings.log_level.upper())
+    settings = ensure_database(settings)
+    config = cluster_config(settings)
+    start_ray(settings, config)
+    schedulers: list[SchedulerService] = []
+    gateway: Any = None
+    try:
+        client, db = connect_redis(settings), open_cluster_database(settings)
+        schedulers = [SchedulerService(settings, spec.name, client, db, process_name("scheduler"))
+                      for spec in config.base_models]
+        for scheduler in schedulers:
+            scheduler.start()
+        gateway = build_cluster_gateway(settings)
+        log.info("cluster serving %s on http://%s:%d", ", ".join(s.name for s in config.base_models),
+                 settings.host, settings.port)
+        uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
+    finally:
+        for scheduler in schedulers:
+            scheduler.stop()
+        if gateway is not None:
+            gateway.close()
+        stop_ray(settings, config)
+
+
+def run_workers(settings: ClusterSettings) -> None:
+    """Deploy the worker applications and keep them until SIGINT/SIGTERM (the container's lifetime)."""
+    install_key_redaction()
+    config = cluster_config(settings)
+    start_ray(settings, config)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("workers of %s deployed; stop with SIGTERM", ", ".join(s.name for s in config.base_models))
+    try:
+        stop.wait()
+    finally:
+        stop_ray(settings, config)
+
+
+def run_scheduler(settings: ClusterSettings, base_model: str) -> None:
+    """One base model's scheduler service (active or standby) until SIGINT/SIGTERM."""
+    install_key_redaction()
+    names = [spec.name for spec in cluster_config(settings).base_models]
+    if base_model not in names:
+        raise StartupError(f"base model {base_model!r} is not configured; configured: {', '.join(names)}")
+    service = SchedulerService(settings, base_model, connect_redis(settings), open_cluster_database(settings),
+                               process_name("scheduler"))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    service.start()
+    stop.wait()
+    service.stop()

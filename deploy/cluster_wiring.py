@@ -1,0 +1,77 @@
+"""What every cluster process builds alike from `ClusterSettings`: its worker config, Redis and database.
+
+The gateway, the schedulers and the workers must agree on the Redis prefix, the base models and the
+shared storage; deriving all of it here, from one settings object, is what keeps them agreeing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import redis
+from sqlalchemy.exc import OperationalError
+
+from deploy.embedded import StartupError
+from deploy.settings import ClusterSettings
+from services.db import Database, open_database
+from services.db.engine import is_sqlite
+from services.db.schema import SchemaVersionError
+from services.runtime.redis_replicas import connect
+from worker.serve.config import ClusterConfig, ClusterConfigError, WorkerSpec, load_cluster_config
+
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""Passed on to replicas when set here: a replica must not hang on a hub lookup the operator disabled."""
+
+
+def cluster_config(settings: ClusterSettings) -> ClusterConfig:
+    """The worker deployments: the TOML file if configured, else one per served base model."""
+    specs = tuple(
+        WorkerSpec(name=spec.name, source=spec.source, replicas=settings.replicas, num_cpus=settings.replica_num_cpus,
+                   num_gpus=settings.replica_num_gpus, max_resident_adapters=settings.max_resident_adapters,
+                   max_tokens_per_pass=settings.max_tokens_per_pass, device=settings.device, dtype=settings.dtype)
+        for spec in settings.served_base_models()
+    )
+    defaults = ClusterConfig(
+        redis_url=settings.redis_url, prefix=settings.redis_prefix,
+        heartbeat_ttl_seconds=settings.heartbeat_ttl_seconds, data_dir=str(settings.data_dir.resolve()),
+        cache_dir=str(settings.models_dir.resolve()), base_models=specs,
+        env={name: os.environ[name] for name in OFFLINE_ENV if name in os.environ},
+    )
+    if settings.cluster_config is None:
+        return defaults
+    try:
+        return load_cluster_config(settings.cluster_config, defaults)
+    except ClusterConfigError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def connect_redis(settings: ClusterSettings) -> redis.Redis:
+    client = connect(settings.redis_url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise StartupError(f"Redis unreachable at {settings.redis_url}: {exc}\n"
+                           "Fix: start Redis (with AOF) or set CARPOOL_REDIS_URL.") from exc
+    return client
+
+
+def open_cluster_database(settings: ClusterSettings) -> Database:
+    """The shared PostgreSQL database, which must already be at the current schema (`carpool migrate`)."""
+    url = settings.resolved_database_url()
+    if is_sqlite(url):
+        raise StartupError("cluster mode needs PostgreSQL shared by every process: set CARPOOL_DATABASE_URL "
+                           "(e.g. postgresql://carpool@db:5432/carpool) and run `carpool migrate` once")
+    try:
+        return open_database(url, migrate=False)
+    except SchemaVersionError as exc:
+        raise StartupError(f"{exc}\nFix: run `carpool migrate` against this database first.") from exc
+    except OperationalError as exc:
+        raise StartupError(f"database unreachable: {exc.orig}\n"
+                           "Fix: start PostgreSQL or set CARPOOL_DATABASE_URL.") from exc
+
+
+def process_name(role: str) -> str:
+    """A unique, readable name for this process in leases and consumer groups."""
+    return f"{role}@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

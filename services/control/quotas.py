@@ -1,0 +1,301 @@
+"""Tenant quotas at the edge (models, tokens per minute, concurrent requests) and the capacity signal.
+
+Limits come from the tenant row (`TenantQuotas`, set with `carpool tenants set-quota`), falling back to
+server-wide defaults. A submission over a limit raises `QuotaExceeded` with the seconds until it would
+pass; the gateway answers 429 with `Retry-After` / `retry-after-ms`, which the SDK honours (≤ 60 s)
+while it retries the *same* request:
+
+- `max_models`: active training runs; checked when a model is created.
+- `max_concurrent_requests`: queued + running requests in the request log. A training request that fills
+  a gap below a later queued request of its model is exempt: the later one cannot run without it, so
+  refusing it would deadlock the model until the SDK gives up.
+- `tokens_per_minute`: a token bucket per tenant (capacity = the limit, refilled evenly over
+  `token_window_s`), charged with a request's tokens when it is accepted. A request that could never
+  fit the bucket is `Invalid` (400) instead. The bucket lives in a `QuotaStore`: `InProcessQuotaStore`
+  for one process (embedded mode), `RedisQuotaStore` (a Lua script, Redis's clock) when several gateway
+  processes share the limits (cluster mode).
+
+Training requests are refused *before* their seq id is reserved, so the SDK's retry of the same seq id
+is accepted later. If the SDK gives up instead (its retries end after about five minutes) it moves on to
+the next seq id; the gap would block the model forever. So every refusal leaves a marker that expires
+a retry interval later, and a timer consumes the seq id (`reject_seq_id`) once the marker is gone and
+the seq id is still unused: no retry has come for longer than the SDK ever waits between two.
+
+`capacity_state` answers the `queue_state` of a pending future: `paused_capacity` while its request is
+still queued (not running) and the base model is saturated (backlog or the request's own wait over the
+thresholds), else `active`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from services.auth.tenants import Tenant
+from services.control.api import ControlError, Invalid, QuotaExceeded
+from services.db.ids import ModelId, TenantId
+from services.db.models import RequestRow
+from services.db.request_log import UNFINISHED, count_unfinished_requests
+from services.db.runs import count_active_training_runs
+
+log = logging.getLogger(__name__)
+
+QueueStateName = Literal["active", "paused_capacity", "paused_rate_limit"]
+SDK_MAX_RETRY_AFTER_S = 60.0
+"""The SDK honours `Retry-After` only up to this; longer hints fall back to its own backoff (≤ 30 s)."""
+ABANDONED_ERROR = ("this request was refused over a quota and not retried in time; the client moved on, so its "
+                   "seq_id was consumed")
+ConsumeSeqId = Callable[[Tenant, ModelId, int, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class QuotaOptions:
+    """Server-wide quota defaults and timings (a tenant's own limits win over the defaults)."""
+
+    default_tokens_per_minute: int | None = None
+    default_max_concurrent_requests: int | None = None
+    token_window_s: float = 60.0
+    """The `tokens_per_minute` window: the bucket refills its full capacity over this long (tests shorten it)."""
+    models_retry_after_s: float = 60.0
+    """Retry hint when the model limit is reached (nothing tells when the tenant will free a model)."""
+    concurrency_retry_after_s: float = 1.0
+    """Retry hint when too many requests are unfinished (short: requests usually finish within seconds)."""
+    sdk_retry_gap_s: float = 30.0
+    """Longest the SDK waits between two tries of a refused request when the hint is shorter (the cap of its
+    holder-level backoff)."""
+    abandon_grace_s: float = 60.0
+    """Added to the longest retry gap before a refused seq id counts as abandoned (slow links, busy clients)."""
+    saturation_queue_depth: int | None = 256
+    """Requests queued for one base model from which pending futures report `paused_capacity`."""
+    saturation_wait_s: float | None = 30.0
+    """A request queued (not running) this long reports `paused_capacity`."""
+
+
+class QuotaStore(Protocol):
+    """Shared state of the quotas: token buckets and expiring markers. Thread-safe; called off the loop."""
+
+    def take(self, key: str, amount: int, capacity: int, window_s: float) -> float:
+        """Take `amount` from `key`'s bucket (full = `capacity`, refilled evenly over `window_s`).
+
+        Returns 0.0 when taken; otherwise takes nothing and returns the seconds until `amount` is there.
+        """
+        ...
+
+    def mark(self, key: str, ttl_s: float) -> None:
+        """Set (or renew) a marker that disappears after `ttl_s`."""
+        ...
+
+    def marked(self, key: str) -> bool: ...
+
+
+class InProcessQuotaStore:
+    """`QuotaStore` in this process's memory (embedded mode: one gateway process)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}
+        """key → (tokens, time of that level)."""
+        self._markers: dict[str, float] = {}
+        """key → expiry."""
+
+    def take(self, key: str, amount: int, capacity: int, window_s: float) -> float:
+        rate = capacity / window_s
+        with self._lock:
+            now = self._clock()
+            level, since = self._buckets.get(key, (float(capacity), now))
+            level = min(float(capacity), level + max(0.0, now - since) * rate)
+            if level >= amount:
+                self._buckets[key] = (level - amount, now)
+                return 0.0
+            self._buckets[key] = (level, now)
+            return (amount - level) / rate
+
+    def mark(self, key: str, ttl_s: float) -> None:
+        with self._lock:
+            now = self._clock()
+            self._markers = {k: t for k, t in self._markers.items() if t > now}  # bounded by live refusals
+            self._markers[key] = now + ttl_s
+
+    def marked(self, key: str) -> bool:
+        with self._lock:
+            return self._markers.get(key, float("-inf")) > self._clock()
+
+
+# A token bucket kept as a hash {level, ts}; Redis's own clock, so every gateway process agrees on time.
+# Returns a string: Redis would truncate a Lua number to an integer.
+_TAKE_SCRIPT = """
+local now_parts = redis.call('TIME')
+local now = tonumber(now_parts[1]) + tonumber(now_parts[2]) / 1000000
+local capacity = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local amount = tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level = tonumber(state[1]) or capacity
+local since = tonumber(state[2]) or now
+level = math.min(capacity, level + math.max(0, now - since) * rate)
+local wait = 0
+if level >= amount then level = level - amount else wait = (amount - level) / rate end
+redis.call('HSET', KEYS[1], 'level', tostring(level), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return tostring(wait)
+"""
+
+
+class RedisQuotaStore:
+    """`QuotaStore` on Redis, shared by every gateway process (cluster mode).
+
+    `client` is a `redis.Redis`; keys live under `{prefix}:quota:`. A bucket expires once it would be full
+    again, so idle tenants cost nothing.
+    """
+
+    def __init__(self, client: Any, *, prefix: str = "carpool") -> None:
+        self._client = client
+        self._prefix = f"{prefix}:quota"
+        self._take = client.register_script(_TAKE_SCRIPT)
+
+    def take(self, key: str, amount: int, capacity: int, window_s: float) -> float:
+        ttl_ms = int(window_s * 1000) + 1000
+        wait = self._take(keys=[f"{self._prefix}:bucket:{key}"], args=[capacity, capacity / window_s, amount, ttl_ms])
+        return float(wait.decode() if isinstance(wait, bytes) else wait)
+
+    def mark(self, key: str, ttl_s: float) -> None:
+        self._client.set(f"{self._prefix}:mark:{key}", b"1", px=max(1, int(ttl_s * 1000)))
+
+    def marked(self, key: str) -> bool:
+        return bool(self._client.exists(f"{self._prefix}:mark:{key}"))
+
+
+class QuotaGate:
+    """The quota checks the control plane runs on new submissions (never on retries of logged ones)."""
+
+    def __init__(self, options: QuotaOptions | None = None, store: QuotaStore | None = None, *,
+                 default_max_models: int | None = None) -> None:
+        self.options = options or QuotaOptions()
+        self.store: QuotaStore = store or InProcessQuotaStore()
+        self._default_max_models = default_max_models
+        self._reaper = _AbandonedSeqReaper(self.store, self.options)
+
+    def check_models(self, db: Session, tenant: Tenant) -> None:
+        """Before creating a model: `QuotaExceeded` if the tenant holds its limit of active models."""
+        limit = _first_set(tenant.quotas.max_models, self._default_max_models)
+        if limit is None:
+            return
+        active = count_active_training_runs(db, TenantId(tenant.id))
+        if active >= limit:
+            raise QuotaExceeded(f"tenant {tenant.name} already has {active} models, its limit is {limit}; "
+                                "unload one first", retry_after_s=self.options.models_retry_after_s)
+
+    def check_concurrency(self, db: Session, tenant: Tenant, *, model_id: ModelId | None = None,
+                          seq_id: int | None = None) -> None:
+        """Before logging a request: `QuotaExceeded` if the tenant has its limit of unfinished requests."""
+        limit = _first_set(tenant.quotas.max_concurrent_requests, self.options.default_max_concurrent_requests)
+        if limit is None:
+            return
+        if model_id is not None and seq_id is not None and _fills_a_gap(db, model_id, seq_id):
+            return
+        unfinished = count_unfinished_requests(db, TenantId(tenant.id))
+        if unfinished >= limit:
+            raise QuotaExceeded(f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is "
+                                f"{limit}", retry_after_s=self.options.concurrency_retry_after_s)
+
+    def charge_tokens(self, tenant: Tenant, tokens: int) -> None:
+        """Take an accepted request's tokens from the tenant's bucket, or refuse it."""
+        limit = _first_set(tenant.quotas.tokens_per_minute, self.options.default_tokens_per_minute)
+        if limit is None or tokens <= 0:
+            return
+        if tokens > limit:
+            raise Invalid(f"the request holds {tokens} tokens, more than tenant {tenant.name}'s limit of {limit} "
+                          f"tokens per minute; send smaller batches", field="data")
+        wait_s = self.store.take(f"tpm:{tenant.id}", tokens, limit, self.options.token_window_s)
+        if wait_s > 0:
+            raise QuotaExceeded(f"tenant {tenant.name} is over its limit of {limit} tokens per minute; this "
+                                f"request's {tokens} tokens fit in {wait_s:.1f} s", retry_after_s=wait_s)
+
+    def refused(self, tenant: Tenant, model_id: ModelId, seq_id: int, retry_after_s: float,
+                consume: ConsumeSeqId) -> None:
+        """A training request was refused before its seq id was reserved: watch for its abandonment."""
+        self._reaper.watch(tenant, model_id, seq_id, retry_after_s, consume)
+
+    def capacity_state(self, *, queued_for_s: float | None, backlog: int | None) -> QueueStateName:
+        """`paused_capacity` for a still-queued request on a saturated base model, else `active`.
+
+        `queued_for_s` is None once the request runs; `backlog` is the model's queued requests (if known).
+        """
+        if queued_for_s is None:
+            return "active"
+        wait_limit, depth_limit = self.options.saturation_wait_s, self.options.saturation_queue_depth
+        if wait_limit is not None and queued_for_s >= wait_limit:
+            return "paused_capacity"
+        if depth_limit is not None and backlog is not None and backlog >= depth_limit:
+            return "paused_capacity"
+        return "active"
+
+
+def queued_seconds(status: str, created_at: datetime, now: datetime) -> float | None:
+    """How long a request has waited without running (None once it runs or ended)."""
+    return max(0.0, (now - created_at).total_seconds()) if status == "queued" else None
+
+
+class _AbandonedSeqReaper:
+    """Consumes seq ids whose refused submissions stopped being retried (see the module docstring)."""
+
+    def __init__(self, store: QuotaStore, options: QuotaOptions) -> None:
+        self._store = store
+        self._options = options
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def watch(self, tenant: Tenant, model_id: ModelId, seq_id: int, retry_after_s: float,
+              consume: ConsumeSeqId) -> None:
+        # The next retry comes within the hint (honoured up to 60 s) or the SDK's own backoff (≤ 30 s).
+        gap_s = min(max(retry_after_s, self._options.sdk_retry_gap_s), SDK_MAX_RETRY_AFTER_S)
+        horizon_s = gap_s + self._options.abandon_grace_s
+        key = f"refused:{model_id}:{seq_id}"
+        self._store.mark(key, horizon_s)
+        loop = asyncio.get_running_loop()
+        previous = self._timers.pop(key, None)
+        if previous is not None:
+            previous.cancel()
+        # Fire a little after the marker expires: only then is "no retry within the horizon" established.
+        self._timers[key] = loop.call_later(horizon_s * 1.1, self._fire, key, tenant, model_id, seq_id, consume)
+
+    def _fire(self, key: str, tenant: Tenant, model_id: ModelId, seq_id: int, consume: ConsumeSeqId) -> None:
+        self._timers.pop(key, None)
+        task = asyncio.ensure_future(self._reap(key, tenant, model_id, seq_id, consume))
+        self._tasks.add(task)  # keep a reference until done (the loop holds tasks only weakly)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reap(self, key: str, tenant: Tenant, model_id: ModelId, seq_id: int, consume: ConsumeSeqId) -> None:
+        try:
+            if await asyncio.to_thread(self._store.marked, key):
+                return  # retried since (perhaps on another gateway process): that refusal watches it now
+            # A no-op when the seq id was accepted meanwhile: consuming finds its request and stops there.
+            await consume(tenant, model_id, seq_id, ABANDONED_ERROR)
+            log.info("seq_id %d of model %s: no retry since its quota refusal; consumed unless accepted meanwhile",
+                     seq_id, model_id)
+        except ControlError as exc:  # e.g. the model was deleted since: nothing left to unblock
+            log.debug("seq_id %d of model %s not consumed: %s", seq_id, model_id, exc.message)
+        except Exception:  # noqa: BLE001 - a timer callback has no caller to report to
+            log.exception("could not consume abandoned seq_id %d of model %s", seq_id, model_id)
+
+
+def _first_set(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _fills_a_gap(db: Session, model_id: ModelId, seq_id: int) -> bool:
+    """Whether a later request of the model is already waiting (for this one: seq ids run in order)."""
+    stmt = select(RequestRow.id).where(
+        RequestRow.model_id == model_id, RequestRow.seq_id > seq_id, RequestRow.status.in_(UNFINISHED)
+    )
+    return db.scalars(stmt.limit(1)).first() is not None

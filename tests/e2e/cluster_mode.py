@@ -1,0 +1,62 @@
+"""What starting the e2e server in cluster mode takes: `carpool cluster up` with its own stores.
+
+Each cluster-mode server gets a scratch PostgreSQL database and its own Redis key prefix (on the box's
+shared servers), its own local Ray, one worker replica, and the production gateway. The admin commands a
+test runs through `Server.cli` reach the same database through `CARPOOL_DATABASE_URL` in the server's env.
+Cleanups drop the database and the prefix once the server has stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable
+
+import redis
+
+from services.db.schema import upgrade_to_head
+from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+
+REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+STOP_TIMEOUT_S = 90.0
+"""`cluster up` stops Serve and Ray on SIGINT; that takes longer than stopping the embedded server."""
+
+
+def unavailable_reason() -> str | None:
+    """Why cluster mode cannot run here (no PostgreSQL, Redis or Ray), or None."""
+    reason = postgres_unavailable_reason()
+    if reason is not None:
+        return reason
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        return f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}"
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "ray[serve] is not installed"
+    return None
+
+
+def cluster_launch(port: int, base_model_spec: str) -> tuple[list[str], dict[str, str], list[Callable[[], None]]]:
+    """(`carpool` arguments, extra environment, cleanups) of a cluster-mode server."""
+    stack = contextlib.ExitStack()
+    database_url = stack.enter_context(scratch_postgres_database(prefix="carpool_e2e"))
+    upgrade_to_head(database_url)
+    prefix = f"carpool-e2e-{uuid.uuid4().hex[:10]}"
+    env = {
+        "CARPOOL_DATABASE_URL": database_url, "CARPOOL_REDIS_URL": REDIS_URL, "CARPOOL_REDIS_PREFIX": prefix,
+        "CARPOOL_REPLICAS": "1", "CARPOOL_RAY_NUM_CPUS": "2", "RAY_AUTH_MODE": "disabled",
+    }
+    args = ["cluster", "up", "--port", str(port), "--base-model", base_model_spec]
+    return args, env, [lambda: _wipe_prefix(prefix), stack.close]
+
+
+def _wipe_prefix(prefix: str) -> None:
+    with contextlib.suppress(redis.RedisError):
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -1,0 +1,129 @@
+"""Cluster mode without Ray: two worker replicas hosted on threads, the real scheduler service, the cluster
+gateway over HTTP and six tenants training through the `tinker` SDK at once.
+
+Shows the data plane's core promises on real PostgreSQL and Redis: adapters spread over both replicas,
+passes carry several tenants, a replica that dies mid-training is replaced by restoring its adapters
+from snapshot + request log on the survivor, every call completes, and every tenant's final weights equal
+an uninterrupted run on an in-process engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.runtime.redis_replicas import ClusterKeys, connect
+from tests.e2e.server import CARPOOL
+from tests.integration.cluster_support import (
+    BASE,
+    REDIS_URL,
+    ClusterStack,
+    cluster_settings,
+    create_tenant_keys,
+    max_difference,
+    prepared_database,
+    reference_weights,
+    saved_weights,
+    scratch_prefix,
+    settings_env,
+    train_all,
+    wait_until,
+)
+
+TENANTS = 6
+STEPS = 6
+
+
+@pytest.fixture
+def stack(tmp_path: Path, tiny_model_dir: Path) -> Iterator[ClusterStack]:
+    reason = postgres_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with scratch_postgres_database() as url, scratch_prefix() as prefix:
+        settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL, prefix)
+        stack = ClusterStack(settings)
+        try:
+            yield stack
+        finally:
+            stack.close()
+
+
+def test_a_replica_dies_mid_training_and_nothing_is_lost(stack: ClusterStack, tiny_model_dir: Path) -> None:
+    first, second = stack.add_thread_replica(), stack.add_thread_replica()
+    scheduler = stack.start_scheduler()
+    stack.start_gateway()
+    keys = create_tenant_keys(stack.settings.resolved_database_url(), TENANTS)
+    crashed = threading.Event()
+    placement_at_crash: dict[str, str] = {}
+    done_steps: list[int] = []
+
+    def crash_once(_tenant: int, _step: int) -> None:
+        done_steps.append(1)
+        if len(done_steps) >= 2 * TENANTS and not crashed.is_set():
+            crashed.set()
+            assert scheduler.pool is not None
+            placement_at_crash.update(scheduler.pool.placement())
+            first.stop(leave=False)  # no goodbye: its heartbeat just stops, as when the process dies
+
+    paths = train_all(stack.url, keys, STEPS, crash_once)
+
+    assert crashed.is_set()
+    assert set(placement_at_crash.values()) == {first.replica_id, second.replica_id}
+    pool = scheduler.pool
+    assert pool is not None and pool.failovers >= 1 and pool.restores >= 1
+    assert set(pool.placement().values()) == {second.replica_id}
+    assert scheduler.loop is not None and scheduler.loop.stats().multi_tenant_passes > 0
+    expected = reference_weights(tiny_model_dir, TENANTS, STEPS)
+    for tenant, path in enumerate(paths):
+        got = saved_weights(stack.settings.resolved_database_url(), stack.settings.data_dir, path)
+        difference = max_difference(got, expected[tenant])
+
+        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
+
+        assert difference <= 1e-5, f"tenant {tenant}"
+
+
+def test_a_standby_scheduler_takes_over_from_a_killed_one(stack: ClusterStack, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """The active scheduler is a `carpool scheduler` process, SIGKILLed mid-training; an in-process standby
+    takes the lease when it expires, re-queues what the dead one held, resumes every model at its durable
+    position, and the replicas answer re-sent requests from memory: nothing is lost or applied twice."""
+    stack.add_thread_replica()
+    stack.add_thread_replica()
+    active = subprocess.Popen([CARPOOL, "scheduler", "--base-model", BASE],
+                              env={**os.environ, **settings_env(stack.settings)},
+                              stdout=(tmp_path / "scheduler.log").open("wb"), stderr=subprocess.STDOUT)
+    client = connect(stack.settings.redis_url)
+    keys = ClusterKeys(BASE, stack.settings.redis_prefix)
+    try:
+        wait_until(lambda: client.get(keys.lease) is not None, 60, "the scheduler process took no lease")
+        standby = stack.start_standby()
+        stack.start_gateway()
+        tenant_keys = create_tenant_keys(stack.settings.resolved_database_url(), 3, prefix="takeover")
+        steps: list[int] = []
+
+        def kill_active(_tenant: int, _step: int) -> None:
+            steps.append(1)
+            if len(steps) == 4:
+                active.kill()
+
+        paths = train_all(stack.url, tenant_keys, STEPS, kill_active)
+        assert active.wait(timeout=10) == -signal.SIGKILL
+        assert standby.lease.held
+    finally:
+        active.kill()
+    expected = reference_weights(tiny_model_dir, 3, STEPS)
+    for tenant, path in enumerate(paths):
+        got = saved_weights(stack.settings.resolved_database_url(), stack.settings.data_dir, path)
+        difference = max_difference(got, expected[tenant])
+
+        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
+
+        assert difference <= 1e-5, f"tenant {tenant}"

@@ -1,0 +1,112 @@
+"""Cluster mode rides out restarts of its stores: Redis (with AOF) and PostgreSQL, on private servers.
+
+Each test runs the whole cluster (thread-hosted replicas, scheduler service, cluster gateway over HTTP)
+against a throwaway server of its own, kills that server mid-training and starts it again a moment
+later. No manual step follows: the clients' calls all complete and every tenant's final weights equal an
+uninterrupted run. Redis runs with `appendonly yes` + `appendfsync always`, as production must (see
+docs/cluster.md): acknowledged queue entries, results and the durability log survive the kill.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from tests.integration.cluster_support import (
+    REDIS_URL,
+    ClusterStack,
+    PrivatePostgres,
+    PrivateRedis,
+    cluster_settings,
+    create_tenant_keys,
+    max_difference,
+    prepared_database,
+    reference_weights,
+    saved_weights,
+    scratch_prefix,
+    train_all,
+)
+
+TENANTS = 3
+STEPS = 6
+
+
+def _train_through(stack: ClusterStack, fault: Callable[[], None], model_dir: Path) -> None:
+    """Train every tenant, run `fault` once a third of the steps are done, then check the weights."""
+    stack.add_thread_replica()
+    stack.add_thread_replica()
+    stack.start_scheduler()
+    stack.start_gateway()
+    database_url = stack.settings.resolved_database_url()
+    keys = create_tenant_keys(database_url, TENANTS)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def after_step(_tenant: int, _step: int) -> None:
+        with lock:
+            done.append(1)
+            if len(done) == 2 * TENANTS:
+                fault()
+
+    paths = train_all(stack.url, keys, STEPS, after_step)
+    expected = reference_weights(model_dir, TENANTS, STEPS)
+    for tenant, path in enumerate(paths):
+        got = saved_weights(database_url, stack.settings.data_dir, path)
+        difference = max_difference(got, expected[tenant])
+
+        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
+
+        assert difference <= 1e-5, f"tenant {tenant}"
+
+
+def test_redis_restart_loses_nothing_acknowledged(tmp_path: Path, tiny_model_dir: Path) -> None:
+    if (reason := postgres_unavailable_reason()) is not None:
+        pytest.skip(reason)
+    redis_server = PrivateRedis(tmp_path / "redis")
+    redis_server.start()
+    with scratch_postgres_database() as url:
+        settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), redis_server.url,
+                                    "carpool")
+        stack = ClusterStack(settings)
+
+        def restart_redis() -> None:
+            redis_server.kill()  # SIGKILL: with fsync always, every acknowledged write is on disk
+            time.sleep(1.0)
+            redis_server.start()
+
+        try:
+            _train_through(stack, restart_redis, tiny_model_dir)
+        finally:
+            stack.close()
+            redis_server.kill()
+
+
+def test_postgres_restart_is_ridden_out(tmp_path: Path, tiny_model_dir: Path) -> None:
+    postgres = PrivatePostgres()
+    try:
+        postgres.init()
+    except Exception as exc:  # noqa: BLE001 - no PostgreSQL binaries or no postgres user on this box
+        postgres.remove()
+        pytest.skip(f"cannot run a private PostgreSQL: {exc}")
+    try:
+        with scratch_postgres_database(postgres.url) as url, scratch_prefix() as prefix:
+            settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL,
+                                        prefix)
+            stack = ClusterStack(settings)
+
+            def restart_postgres() -> None:
+                postgres.stop("immediate")  # a crash as far as clients can tell
+                time.sleep(1.5)
+                postgres.start()
+
+            try:
+                _train_through(stack, restart_postgres, tiny_model_dir)
+            finally:
+                stack.close()
+    finally:
+        postgres.remove()
