@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from services.jobqueue.codec import decode, encode
 from services.jobqueue.redis_queue import default_retry, require_bytes_client
-from services.runtime.redis_replicas import ClusterKeys
+from services.runtime.redis_replicas import ClusterKeys, as_text
 from services.runtime.replica_protocol import LogEntry, OptimEntry, PassEntry
 
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class RedisPlacement(_RedisStore):
 
     def load(self) -> dict[str, str]:
         raw = self._call(lambda: self._client.hgetall(self.keys.placement))
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
     def place(self, adapter_id: str, replica_id: str) -> None:
         self._call(lambda: self._client.hset(self.keys.placement, adapter_id, replica_id))
@@ -149,6 +149,3 @@ def _entry(blob: bytes) -> LogEntry:
         raise TypeError(f"log entry decodes to {type(entry).__name__}, not a PassEntry or OptimEntry")
     return entry
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

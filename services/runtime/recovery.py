@@ -57,7 +57,7 @@ from services.jobqueue.codec import CodecError, decode_request
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, Delivery, ResultStore, StoredResult
 from services.jobqueue.redis_queue import DEFAULT_GROUP, PENDING_PAGE, RedisWorkQueue, default_retry
 from services.runtime.commands import Save
-from services.runtime.redis_replicas import ClusterKeys
+from services.runtime.redis_replicas import ClusterKeys, as_text
 from services.runtime.reporting import CompletionHook
 from services.scheduler.policy import SchedulerLimits
 from services.scheduler.requests import Admission, Completion, ModelId, QueuedRequest
@@ -345,7 +345,7 @@ class GuardedQueue:
         except redis.ResponseError:  # no group yet: nothing can be pending
             return []
         with self._lock:
-            lost = [_text(p["message_id"]) for p in pending if _text(p["message_id"]) not in self._held]
+            lost = [as_text(p["message_id"]) for p in pending if as_text(p["message_id"]) not in self._held]
         if not lost:
             return []
         log.warning("%s: %d queue entries were delivered but never received; handing them out", base_model,
@@ -358,11 +358,8 @@ def _delivery(entry_id: bytes | str, fields: dict[bytes, bytes] | None) -> Deliv
     if not fields:
         return None
     try:
-        return Delivery(_text(entry_id), decode_request(fields.get(b"req", b"")))
+        return Delivery(as_text(entry_id), decode_request(fields.get(b"req", b"")))
     except CodecError as error:
-        log.error("unreadable queue entry %s left pending: %s", _text(entry_id), error)
+        log.error("unreadable queue entry %s left pending: %s", as_text(entry_id), error)
         return None
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -44,13 +44,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import redis
 from redis.retry import Retry
 
 from services.jobqueue.codec import CodecError, decode, encode
-from services.jobqueue.redis_queue import DEFAULT_PREFIX, default_retry, require_bytes_client
+
+# `_entries_of` reads XREAD and XREADGROUP answers alike (RESP2 and RESP3): one parser for both.
+from services.jobqueue.redis_queue import DEFAULT_PREFIX, _entries_of, default_retry, require_bytes_client
 from services.runtime.replica_protocol import (
     Envelope,
     Fenced,
@@ -153,7 +155,7 @@ class RedisReplicaLink:
         self._missing_since: dict[str, float] = {}
 
     def live_replicas(self) -> list[str]:
-        registered = [_text(k) for k in self._redis.call(lambda: self._redis.client.hkeys(self.keys.replicas))]
+        registered = [as_text(k) for k in self._redis.call(lambda: self._redis.client.hkeys(self.keys.replicas))]
         return sorted(r for r in registered if not self._gone(r))
 
     def alive(self, replica_id: str) -> bool:
@@ -294,7 +296,7 @@ class RedisReplicaEndpoint:
         inbox = self.keys.inbox(self.replica_id)
         response = self._redis.call(
             lambda: self._redis.client.xread({inbox: last_id}, count=16, block=self._block_ms))
-        return [(_text(i), f) for i, f in _stream_entries(response)]
+        return [(as_text(i), f) for i, f in _entries_of(response)]
 
     def _handle(self, entry_id: str, fields: dict[bytes, bytes], handler: Callable[[Envelope], Reply]) -> None:
         inbox = self.keys.inbox(self.replica_id)
@@ -348,14 +350,6 @@ def _wake_key(reply_key: str) -> str:
     return f"{reply_key}:wake"
 
 
-def _stream_entries(response: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """XREAD answers `[[key, entries]]` (RESP2), `{key: [entries]}` (RESP3), or nothing on timeout."""
-    if not response:
-        return []
-    if isinstance(response, dict):
-        return [entry for streams in response.values() for entry in streams[0]]
-    return [entry for _, entries in response for entry in entries]
-
-
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A Redis answer (bytes with this bytes client) as text."""
     return value.decode() if isinstance(value, bytes) else value

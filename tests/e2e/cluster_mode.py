@@ -50,12 +50,13 @@ def cluster_launch(port: int, base_model_spec: str) -> tuple[list[str], dict[str
         "CARPOOL_REPLICAS": "1", "CARPOOL_RAY_NUM_CPUS": "2", "RAY_AUTH_MODE": "disabled",
     }
     args = ["cluster", "up", "--port", str(port), "--base-model", base_model_spec]
-    return args, env, [lambda: _wipe_prefix(prefix), stack.close]
+    return args, env, [lambda: wipe_prefix(REDIS_URL, prefix), stack.close]
 
 
-def _wipe_prefix(prefix: str) -> None:
+def wipe_prefix(url: str, prefix: str) -> None:
+    """Delete every key under `prefix` (a test's private corner of a shared Redis)."""
     with contextlib.suppress(redis.RedisError):
-        client = redis.Redis.from_url(REDIS_URL)
+        client = redis.Redis.from_url(url)
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:
             client.delete(*keys)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -37,17 +36,13 @@ from services.db.models import CheckpointRow
 from services.db.schema import upgrade_to_head
 from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardWork, LoraSpec
 from services.runtime.redis_replicas import connect
+from tests.e2e.cluster_mode import wipe_prefix
+from tests.e2e.server import free_port
 from worker.engine.engine import Engine, EngineConfig
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 BASE = "carpool/tiny-cluster"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, message: str) -> None:
@@ -145,14 +140,6 @@ class ClusterStack:
 def prepared_database(url: str) -> str:
     upgrade_to_head(url)
     return url
-
-
-def wipe_prefix(url: str, prefix: str) -> None:
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 # -- private servers ------------------------------------------------------------------------------------
@@ -292,8 +279,7 @@ def scratch_prefix() -> Iterator[str]:
     try:
         yield prefix
     finally:
-        with contextlib.suppress(redis.RedisError):
-            wipe_prefix(REDIS_URL, prefix)
+        wipe_prefix(REDIS_URL, prefix)
 
 
 # -- SDK clients ----------------------------------------------------------------------------------------------
