@@ -125,24 +125,22 @@ class InMemoryNotifier:
     """`Notifier` with per-waiter asyncio futures; one instance serves every long-poll of a process."""
 
     def __init__(self, retention_s: float = 60.0, max_retained: int = 100_000, clock: Clock = time.monotonic):
-        self._retention_s = retention_s
-        self._max_retained = max_retained
         self._clock = clock
         self._lock = threading.Lock()
         self._waiters: dict[RequestId, list[asyncio.Future[bool]]] = {}
-        self._published: OrderedDict[RequestId, float] = OrderedDict()
+        self._published = RecentIds(retention_s, max_retained, clock)
 
     def publish(self, request_id: RequestId) -> None:
         with self._lock:
-            self._remember(request_id)
+            self._published.add(request_id)
             waiters = self._waiters.pop(request_id, [])
         for future in waiters:
-            _resolve_threadsafe(future)
+            resolve_threadsafe(future)
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         with self._lock:
-            if self._recently_published(request_id):
+            if self._published.contains(request_id):
                 return True
             if timeout_s <= 0:
                 return False
@@ -159,19 +157,6 @@ class InMemoryNotifier:
         with self._lock:
             return sum(len(futures) for futures in self._waiters.values())
 
-    def _remember(self, request_id: RequestId) -> None:
-        self._published[request_id] = self._clock()
-        self._published.move_to_end(request_id)
-        cutoff = self._clock() - self._retention_s
-        while self._published and (
-            len(self._published) > self._max_retained or next(iter(self._published.values())) < cutoff
-        ):
-            self._published.popitem(last=False)
-
-    def _recently_published(self, request_id: RequestId) -> bool:
-        published_at = self._published.get(request_id)
-        return published_at is not None and published_at >= self._clock() - self._retention_s
-
     def _discard(self, request_id: RequestId, future: asyncio.Future[bool]) -> None:
         with self._lock:
             futures = self._waiters.get(request_id)
@@ -183,7 +168,7 @@ class InMemoryNotifier:
                 del self._waiters[request_id]
 
 
-def _resolve_threadsafe(future: asyncio.Future[bool]) -> None:
+def resolve_threadsafe(future: asyncio.Future[bool]) -> None:
     """Set `future` on its own loop; a closed loop means its waiter is gone, which is fine."""
 
     def resolve() -> None:
@@ -192,3 +177,26 @@ def _resolve_threadsafe(future: asyncio.Future[bool]) -> None:
 
     with contextlib.suppress(RuntimeError):
         future.get_loop().call_soon_threadsafe(resolve)
+
+
+class RecentIds:
+    """Ids published in the last `retention_s` (at most `max_retained`): lets a waiter that arrives just
+    after its publish return at once. Shared by the in-process and the Redis notifier."""
+
+    def __init__(self, retention_s: float, max_retained: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._retention_s = retention_s
+        self._max_retained = max_retained
+        self._clock = clock
+        self._ids: OrderedDict[RequestId, float] = OrderedDict()
+
+    def add(self, request_id: RequestId) -> None:
+        now = self._clock()
+        self._ids[request_id] = now
+        self._ids.move_to_end(request_id)
+        cutoff = now - self._retention_s
+        while self._ids and (len(self._ids) > self._max_retained or next(iter(self._ids.values())) < cutoff):
+            self._ids.popitem(last=False)
+
+    def contains(self, request_id: RequestId) -> bool:
+        published_at = self._ids.get(request_id)
+        return published_at is not None and published_at >= self._clock() - self._retention_s

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +35,7 @@ from redis.retry import Retry
 
 from services.domain.training import WorkError
 from services.jobqueue.codec import DEFAULT_CODEC, Codec, CodecError, decode_result, encode_result
+from services.jobqueue.memory import RecentIds, resolve_threadsafe
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, ResultStatus, StoredResult
 from services.jobqueue.redis_queue import DEFAULT_PREFIX, default_retry, require_bytes_client
 from services.scheduler.requests import RequestId
@@ -128,15 +128,13 @@ class RedisNotifier:
         self._client = self._owned_client or client
         self._subscriber = subscriber or self._client
         self.channel = channel or f"{prefix}:done"
-        self._retention_s = retention_s
-        self._max_retained = max_retained
         self._grace_s = resubscribe_grace_s
         self._ping_interval_s = ping_interval_s
         self._retry = retry or default_retry()
         self._backoff = EqualJitterBackoff(cap=2.0, base=0.05)
         self._lock = threading.Lock()
         self._waiters: dict[RequestId, list[asyncio.Future[bool]]] = {}
-        self._published: OrderedDict[RequestId, float] = OrderedDict()
+        self._published = RecentIds(retention_s, max_retained)
         self._subscribed = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,7 +152,7 @@ class RedisNotifier:
         self._ensure_listening()
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         with self._lock:
-            if self._recently_published(request_id) or self._just_resubscribed():
+            if self._published.contains(request_id) or self._just_resubscribed():
                 return True
             if timeout_s <= 0:
                 return False
@@ -247,33 +245,19 @@ class RedisNotifier:
             self._waiters.clear()
         self._subscribed.set()
         for future in parked:
-            _resolve_threadsafe(future)
+            resolve_threadsafe(future)
         if self.subscriptions > 1:
             log.info("notifier resubscribed to %s; woke %d waiters to re-check", self.channel, len(parked))
 
     def _on_published(self, request_id: RequestId) -> None:
         with self._lock:
-            self._remember(request_id)
+            self._published.add(request_id)
             waiters = self._waiters.pop(request_id, [])
         for future in waiters:
-            _resolve_threadsafe(future)
+            resolve_threadsafe(future)
 
     def _just_resubscribed(self) -> bool:
         return self.subscriptions > 1 and time.monotonic() - self._subscribed_at < self._grace_s
-
-    def _remember(self, request_id: RequestId) -> None:
-        now = time.monotonic()
-        self._published[request_id] = now
-        self._published.move_to_end(request_id)
-        cutoff = now - self._retention_s
-        while self._published and (
-            len(self._published) > self._max_retained or next(iter(self._published.values())) < cutoff
-        ):
-            self._published.popitem(last=False)
-
-    def _recently_published(self, request_id: RequestId) -> bool:
-        published_at = self._published.get(request_id)
-        return published_at is not None and published_at >= time.monotonic() - self._retention_s
 
     def _discard(self, request_id: RequestId, future: asyncio.Future[bool]) -> None:
         with self._lock:
@@ -284,14 +268,3 @@ class RedisNotifier:
                 futures.remove(future)
             if not futures:
                 del self._waiters[request_id]
-
-
-def _resolve_threadsafe(future: asyncio.Future[bool]) -> None:
-    """Set `future` on its own loop; a closed loop means its waiter is gone, which is fine."""
-
-    def resolve() -> None:
-        if not future.done():
-            future.set_result(True)
-
-    with contextlib.suppress(RuntimeError):
-        future.get_loop().call_soon_threadsafe(resolve)
