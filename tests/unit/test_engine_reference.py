@@ -93,7 +93,9 @@ def test_packed_pass_equals_peft_alone(engine: Engine, tiny_model_dir, loss_fn: 
             lp = reference_logprobs(model, datum.tokens, datum.loss_inputs["target_tokens"])
             elementwise = reference_loss(loss_fn, lp, datum.loss_inputs, LOSS_CONFIG)
             np.testing.assert_allclose(out.logprobs, lp.detach().numpy(), atol=1e-5, rtol=0)
-            np.testing.assert_allclose(out.elementwise_loss, elementwise.detach().numpy(), atol=1e-5, rtol=0)
+            # A per-token loss can be ~15x as sensitive to its logprob as 1 (cispo/ppo: ratio * lp * advantage),
+            # so beyond |loss| ~ 5 the bound is fp32's relative precision (2e-6 = ~16 ulp), as for loss:sum.
+            np.testing.assert_allclose(out.elementwise_loss, elementwise.detach().numpy(), atol=1e-5, rtol=2e-6)
             loss = elementwise.sum()
             loss.backward()
             total += float(loss.detach())

@@ -102,22 +102,62 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: 
     """All segments' deltas with two batched GEMMs over padded segments and zero-padded ranks."""
     layout = _layout(plan, entries, x.shape[0], x.device)
     dtype = entries[0][1].A.dtype
-    a_S_R_in = _stack([w.A for _, w in entries], layout.rank, dim=0)
-    b_S_out_R = _stack([w.B for _, w in entries], layout.rank, dim=1)
     if layout.uniform:
         # Equal segments covering every token: a view, no gather and no scatter.
         x_S_L_in = x.to(dtype).view(len(entries), -1, x.shape[1])
     else:
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
         x_S_L_in = x_ext[layout.gather]
-    h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)) * layout.scale
-    out_S_L_out = torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+    factors = [w.A for _, w in entries] + [w.B for _, w in entries]
+    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout.scale, layout.rank, *factors)
     if layout.uniform:
         return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
     if layout.covers_all:
         return picked
     return x.new_zeros((x.shape[0], out_features), dtype=dtype).index_copy(0, layout.positions, picked)
+
+
+class GroupedLoraDelta(torch.autograd.Function):
+    """scale_s * (x_s @ A_s.T) @ B_s.T for every segment s, as one autograd node with a hand-written backward.
+
+    The same four batched GEMMs autograd would run, without its bookkeeping around them: no stack/unbind
+    nodes for the factors, no separate scaling node, and each factor's gradient handed back as a view of one
+    stacked gradient (which `AccumulateGrad` adopts without a copy). With many tenants and small segments
+    those per-op costs were as large as the GEMMs themselves. Gradients are computed only for the inputs
+    that need them (a forward-only tenant's factors are detached).
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, scale_S_1_1: torch.Tensor,
+                rank: int, *factors: torch.Tensor) -> torch.Tensor:
+        count = len(factors) // 2
+        a_S_R_in = _stack(list(factors[:count]), rank, dim=0)
+        b_S_out_R = _stack(list(factors[count:]), rank, dim=1)
+        h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S_1_1)
+        ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R, scale_S_1_1)
+        ctx.ranks = [f.shape[0] for f in factors[:count]]
+        return torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 grad_S_L_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R, scale_S_1_1 = ctx.saved_tensors
+        ranks: list[int] = ctx.ranks
+        needs = ctx.needs_input_grad
+        count = len(ranks)
+        grad_S_L_out = grad_S_L_out.contiguous()
+        grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(scale_S_1_1)
+        grad_x = torch.bmm(grad_h, a_S_R_in) if needs[0] else None
+        grads_a: list[torch.Tensor | None] = [None] * count
+        grads_b: list[torch.Tensor | None] = [None] * count
+        if any(needs[3 : 3 + count]):
+            grad_a = torch.bmm(grad_h.transpose(1, 2), x_S_L_in)
+            grads_a = [grad_a[i, :r] if needs[3 + i] else None for i, r in enumerate(ranks)]
+        if any(needs[3 + count :]):
+            grad_b = torch.bmm(grad_S_L_out.transpose(1, 2), h_S_L_R)
+            grads_b = [grad_b[i, :, :r] if needs[3 + count + i] else None for i, r in enumerate(ranks)]
+        return (grad_x, None, None, *grads_a, *grads_b)
 
 
 def _stack(factors: list[torch.Tensor], rank: int, dim: int) -> torch.Tensor:

@@ -80,11 +80,8 @@ def _losses(lm: LoadedModel, items: list[PackedItem],
             logits: torch.Tensor) -> tuple[list[ItemOutput], torch.Tensor | None]:
     outputs: list[ItemOutput] = []
     total: torch.Tensor | None = None
-    start = 0
-    for item in items:
-        end = start + item.datum.length
+    for item, lp in zip(items, _item_logprobs(lm, items, logits), strict=True):
         inputs = {k: torch.from_numpy(np.asarray(v)).to(lm.device) for k, v in item.datum.loss_inputs.items()}
-        lp = target_logprobs(logits[start:end], inputs["target_tokens"])
         elementwise = LOSSES[item.loss_fn](lp, inputs, item.loss_config)
         loss = elementwise.sum()
         if item.train:
@@ -94,8 +91,19 @@ def _losses(lm: LoadedModel, items: list[PackedItem],
             elementwise_loss=elementwise.detach().float().cpu().numpy().astype(np.float32),
             loss=float(loss.detach()),
         ))
-        start = end
     return outputs, total
+
+
+def _item_logprobs(lm: LoadedModel, items: list[PackedItem], logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every item's target logprobs. With (T,) targets (the common case) one logsumexp and one gather run
+    over the whole row, then `split`: per-item slices of the (T, V) logits would each zero-fill a full-size
+    gradient in backward, a cost that grows with the number of datums in a pass."""
+    lengths = [item.datum.length for item in items]
+    targets = [torch.from_numpy(np.asarray(item.datum.loss_inputs["target_tokens"])) for item in items]
+    if all(t.dim() == 1 for t in targets):
+        return target_logprobs(logits, torch.cat(targets).to(lm.device)).split(lengths)
+    return tuple(target_logprobs(chunk, t.to(lm.device))
+                 for chunk, t in zip(logits.split(lengths), targets, strict=True))
 
 
 def target_logprobs(logits_T_V: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
