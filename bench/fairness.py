@@ -5,14 +5,18 @@ Runs the real service core in one process (SQLite, in-memory queue, `SchedulerLo
 training client submits `forward_backward` then `optim_step` (pipelined) and waits for both, in a loop.
 
     tenant B  one model, `--b-tokens` tokens per forward_backward, one step at a time (closed loop)
-    tenant A  `--a-models` models, each sending `--ratio` x B's tokens per step, back to back (so A
-              always has work queued and fills every pass B is not in)
+    tenant A  `--a-models` models, together sending `--ratio` x B's tokens per step, each model back to
+              back (so A always has work queued and fills every pass B is not in)
 
-Phases: B alone, A alone, then A and B together, for two scheduler configurations side by side (each its
-own service in this process, rounds interleaved so drift on a shared machine hits both alike): the default
-(passes fill the token budget) and paced passes (`--max-pass-ms`, the `CARPOOL_MAX_PASS_MS` setting). B's
-wait is the time from submitting its forward_backward to holding the result (what a user sees as latency).
-The last line is machine-readable, for the last configuration (paced unless `--max-pass-ms 0`):
+Phases: B alone, A alone, then A and B together, for several scheduler configurations side by side (each
+its own service in this process, rounds interleaved so drift on a shared machine hits all alike): the
+service's default (`SchedulerLimits()`: latency-fair pacing, `CARPOOL_PASS_LATENCY_FACTOR`), each of
+`--factors` (0: pacing off, passes fill the token budget), and with `--max-pass-ms` an explicit pass target
+(`CARPOOL_MAX_PASS_MS`). B's wait is the time from submitting its forward_backward to holding the result
+(what a user sees as latency). Per phase the report also shows B's and A's throughput, the mean pass
+(duration, tokens) and barrier (duration, count per pass), and the share of the loop's item time spent in
+the engine and in the request log (completion hook DB writes): where the fixed per-item cost that small
+passes pay more often comes from. The last line is machine-readable, for the default configuration:
 RESULT b_wait_ratio=X a_tokens_per_s=X (ratio = B's median wait beside A over B's median wait alone; A's
 throughput while B trains beside it).
 """
@@ -26,8 +30,10 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +49,10 @@ from services.control.recording import DatabaseCompletionHook  # noqa: E402
 from services.control.registry import ServedModel  # noqa: E402
 from services.db import Database, database_url_for_data_dir, open_database  # noqa: E402
 from services.db.ids import ModelId, RequestId, SessionId  # noqa: E402
-from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec  # noqa: E402
+from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec, WorkError  # noqa: E402
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue  # noqa: E402
 from services.runtime import LoopConfig, SchedulerLoop  # noqa: E402
-from services.scheduler import Scheduler, SchedulerLimits  # noqa: E402
+from services.scheduler import BarrierPlan, PassPlan, PlanItem, Scheduler, SchedulerLimits, StepPlan  # noqa: E402
 from services.scheduler.scheduler import CONTENTION_WINDOW_S  # noqa: E402
 from services.storage import LocalCheckpointStore, UrlSigner  # noqa: E402
 
@@ -54,11 +60,74 @@ BASE = "bench-base"
 HP = AdamParams(learning_rate=1e-4)
 
 
+class TimedScheduler(Scheduler):
+    """The scheduler under test, also recording how long each plan item ran (the loop runs a step's items
+    one by one, so an item's time runs from the step or the previous item's completion to its own)."""
+
+    def __init__(self, limits: SchedulerLimits) -> None:
+        super().__init__(limits)
+        self.items: list[tuple[str, int, float]] = []
+        """(kind, tokens, seconds) per completed item; the bench clears it per phase."""
+        self._mark = 0.0
+
+    def step(self) -> StepPlan:
+        plan = super().step()
+        self._mark = time.perf_counter()
+        return plan
+
+    def complete(self, item: PlanItem, results: Sequence[object] | WorkError) -> Any:
+        now = time.perf_counter()
+        kind = "pass" if isinstance(item, PassPlan) else "barrier" if isinstance(item, BarrierPlan) else "sample"
+        self.items.append((kind, item.num_tokens if isinstance(item, PassPlan) else 0, now - self._mark))
+        self._mark = now
+        return super().complete(item, results)
+
+
+@dataclass
+class Timers:
+    """Where the loop's time went, per phase: engine work calls and the request-log hook (DB writes)."""
+
+    engine_s: float = 0.0
+    hook_s: float = 0.0
+
+    def timed(self, attribute: str, call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                setattr(self, attribute, getattr(self, attribute) + time.perf_counter() - started)
+        return run
+
+
+class TimedEngine:
+    """The engine, with the time of its work calls added to `timers.engine_s`."""
+
+    WORK = frozenset({"forward_backward", "optim_step", "sample"})
+
+    def __init__(self, engine: Any, timers: Timers) -> None:
+        self._engine, self._timers = engine, timers
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._engine, name)
+        return self._timers.timed("engine_s", attribute) if name in self.WORK else attribute
+
+
+class TimedHook:
+    """The completion hook, with its time added to `timers.hook_s`."""
+
+    def __init__(self, hook: DatabaseCompletionHook, timers: Timers) -> None:
+        self.started = timers.timed("hook_s", hook.started)
+        self.finished = timers.timed("hook_s", hook.finished)
+
+
 @dataclass
 class Service:
     control: ServiceControlPlane
     loop: SchedulerLoop
     db: Database
+    scheduler: TimedScheduler
+    timers: Timers
 
 
 @dataclass
@@ -73,17 +142,16 @@ class Trainer:
     tokens_done: int = 0
 
 
-def build_service(model_dir: Path, data_dir: Path, args: argparse.Namespace, max_pass_s: float | None) -> Service:
+def build_service(model_dir: Path, data_dir: Path, args: argparse.Namespace, limits: SchedulerLimits) -> Service:
     from worker.engine.engine import Engine, EngineConfig
 
     db = open_database(database_url_for_data_dir(data_dir), migrate=True)
     engine = Engine(model_dir, name=BASE, config=EngineConfig(device=args.device, dtype=args.dtype,
                                                               max_tokens_per_pass=args.engine_pass_tokens))
     queue, results, notifier = InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier()
-    limits = SchedulerLimits(max_tokens_per_pass=args.max_tokens_per_pass, quantum_tokens=args.quantum,
-                             max_pass_seconds=max_pass_s)
-    loop = SchedulerLoop(BASE, engine, queue, results, notifier, scheduler=Scheduler(limits),
-                         hook=DatabaseCompletionHook(db),
+    scheduler, timers = TimedScheduler(limits), Timers()
+    loop = SchedulerLoop(BASE, TimedEngine(engine, timers), queue, results, notifier, scheduler=scheduler,
+                         hook=TimedHook(DatabaseCompletionHook(db), timers),
                          config=LoopConfig(batch_window_s=args.batch_window_ms / 1000))
     served = ServedModel(engine.info, engine.limits, queue=BASE, max_tokens_per_request=args.max_tokens_per_pass,
                          stats=loop.stats)
@@ -91,7 +159,7 @@ def build_service(model_dir: Path, data_dir: Path, args: argparse.Namespace, max
     control = ServiceControlPlane(db, queue, results, notifier, store, [served],
                                   ControlOptions(scratch_dir=data_dir / "scratch"))
     loop.start()
-    return Service(control, loop, db)
+    return Service(control, loop, db, scheduler, timers)
 
 
 async def wait_done(control: ServiceControlPlane, tenant: Tenant, request_id: RequestId) -> object:
@@ -158,6 +226,23 @@ class PhaseResult:
     b_waits_s: list[float] = field(default_factory=list)
     a_tokens: int = 0
     seconds: float = 0.0
+    items: list[tuple[str, int, float]] = field(default_factory=list)
+    """(kind, tokens, seconds) of the plan items run while measuring."""
+    engine_s: float = 0.0
+    hook_s: float = 0.0
+
+    def item_summary(self) -> str:
+        passes = [(n, s) for kind, n, s in self.items if kind == "pass"]
+        barriers = [s for kind, _, s in self.items if kind == "barrier"]
+        if not passes:
+            return "-"
+        pass_ms = statistics.mean(s for _, s in passes) * 1000
+        tokens = statistics.mean(n for n, _ in passes)
+        barrier_ms = statistics.mean(barriers) * 1000 if barriers else 0.0
+        total_s = sum(s for _, _, s in self.items)
+        return (f"pass {pass_ms:.0f} ms/{tokens:.0f} tok, barrier {barrier_ms:.0f} ms x "
+                f"{len(barriers) / len(passes):.1f}/pass; engine {self.engine_s / total_s:.0%}, "
+                f"request log {self.hook_s / total_s:.0%} of item time")
 
     @property
     def b_median_ms(self) -> float:
@@ -182,9 +267,10 @@ class Workload:
     b_work: ForwardBackwardWork
 
 
-async def phase(control: ServiceControlPlane, into: PhaseResult, load: Workload, *, with_a: bool,
+async def phase(service: Service, into: PhaseResult, load: Workload, *, with_a: bool,
                 with_b: bool, args: argparse.Namespace) -> None:
     """Run one round of a phase and add what it measured to `into`."""
+    control = service.control
     a = load.a if with_a else []
     for trainer in [*a, load.b]:
         trainer.waits_s.clear()
@@ -195,12 +281,17 @@ async def phase(control: ServiceControlPlane, into: PhaseResult, load: Workload,
     # window, or passes would still be paced for B's earlier phase.
     await asyncio.sleep(0.0 if not a else args.warmup_s if with_b else max(args.warmup_s, CONTENTION_WINDOW_S + 1))
     started = time.perf_counter()
+    service.scheduler.items.clear()
+    service.timers.engine_s = service.timers.hook_s = 0.0
     a_before = sum(t.tokens_done for t in a)
     if with_b:
         await run_steps(control, load.b, args.b_steps, load.b_work)
     else:
         await asyncio.sleep(args.a_alone_s)
     into.seconds += time.perf_counter() - started
+    into.items += service.scheduler.items
+    into.engine_s += service.timers.engine_s
+    into.hook_s += service.timers.hook_s
     into.a_tokens += sum(t.tokens_done for t in a) - a_before
     stop.set()
     await asyncio.gather(*a_tasks)
@@ -250,10 +341,10 @@ async def run(variants: list[tuple[str, Service]], args: argparse.Namespace) -> 
     prepared = [await prepare(name, service, args) for name, service in variants]
     for _ in range(args.rounds):
         for v in prepared:
-            control, results = v.service.control, v.results
-            await phase(control, results[0], v.load, with_a=False, with_b=True, args=args)
-            await phase(control, results[1], v.load, with_a=True, with_b=False, args=args)
-            await phase(control, results[2], v.load, with_a=True, with_b=True, args=args)
+            service, results = v.service, v.results
+            await phase(service, results[0], v.load, with_a=False, with_b=True, args=args)
+            await phase(service, results[1], v.load, with_a=True, with_b=False, args=args)
+            await phase(service, results[2], v.load, with_a=True, with_b=True, args=args)
     return prepared
 
 
@@ -261,18 +352,21 @@ def report(variants: list[Variant], args: argparse.Namespace) -> None:
     a_tokens = args.b_tokens * args.ratio // args.a_models
     print(f"B: 1 model x {args.b_tokens} tokens/step; A: {args.a_models} models x {a_tokens} tokens/step "
           f"({args.ratio}x B's tokens); scheduler budget {args.max_tokens_per_pass} tokens; {args.rounds} rounds")
-    print(f"{'scheduler':<22} {'phase':<8} {'B median':>9} {'B p90':>9} {'B steps':>8} {'A tokens/s':>11}")
+    print(f"{'scheduler':<22} {'phase':<8} {'B median':>9} {'B p90':>9} {'B steps':>8} {'A tokens/s':>11} "
+          f"{'B tokens/s':>11}  items")
     for v in variants:
         for r in v.results:
             b_median = f"{r.b_median_ms:.0f} ms" if r.b_waits_s else "-"
             b_p90 = f"{r.b_p90_ms:.0f} ms" if r.b_waits_s else "-"
             a_rate = f"{r.a_tokens_per_s:.0f}" if r.a_tokens else "-"
-            print(f"{v.name:<22} {r.name:<8} {b_median:>9} {b_p90:>9} {len(r.b_waits_s):>8} {a_rate:>11}")
+            b_rate = f"{len(r.b_waits_s) * args.b_tokens / r.seconds:.0f}" if r.b_waits_s else "-"
+            print(f"{v.name:<22} {r.name:<8} {b_median:>9} {b_p90:>9} {len(r.b_waits_s):>8} {a_rate:>11} {b_rate:>11}  "
+                  f"{r.item_summary()}")
         stats = v.service.loop.stats()
         print(f"{v.name:<22} b_wait_ratio {v.b_wait_ratio:.2f}; passes {stats.passes}, mean tokens/pass "
               f"{stats.tokens / max(1, stats.passes):.0f}, mean tenants/pass {stats.mean_tenants_per_pass:.2f}")
-    last = variants[-1]  # the configuration asked for (paced when --max-pass-ms is set)
-    print(f"RESULT b_wait_ratio={last.b_wait_ratio:.2f} a_tokens_per_s={last.a_tokens_per_s:.0f}")
+    default = variants[0]  # the service's default configuration
+    print(f"RESULT b_wait_ratio={default.b_wait_ratio:.2f} a_tokens_per_s={default.a_tokens_per_s:.0f}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -292,13 +386,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-pass", type=int, default=32768, help="scheduler pass budget")
     parser.add_argument("--engine-pass-tokens", type=int, default=8192, help="engine micro-batch budget")
     parser.add_argument("--quantum", type=int, default=SchedulerLimits().quantum_tokens)
-    parser.add_argument("--max-pass-ms", type=float, default=40.0,
-                        help="pass pacing of the second variant (CARPOOL_MAX_PASS_MS); 0: unpaced variant only")
-    parser.add_argument("--no-unpaced", action="store_true", help="skip the unpaced (default settings) variant")
+    parser.add_argument("--factors", default="0",
+                        help="comma-separated pass_latency_factor variants run beside the default (0: pacing off; "
+                        "empty: the default only)")
+    parser.add_argument("--max-pass-ms", type=float, default=0.0,
+                        help="also run a variant with this explicit pass target (CARPOOL_MAX_PASS_MS); 0: none")
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     return parser.parse_args()
+
+
+def variant_limits(args: argparse.Namespace) -> list[tuple[str, SchedulerLimits]]:
+    """The default configuration first (the RESULT line's), then the variants asked for."""
+    base = SchedulerLimits(max_tokens_per_pass=args.max_tokens_per_pass, quantum_tokens=args.quantum)
+    configs = [(f"default (factor {base.pass_latency_factor:.3g})", base)]
+    for factor in (float(f) for f in args.factors.split(",") if f.strip()):
+        configs.append((f"factor={factor:g}" + (" (off)" if factor == 0 else ""),
+                        replace(base, pass_latency_factor=factor)))
+    if args.max_pass_ms > 0:
+        configs.append((f"max_pass_ms={args.max_pass_ms:g}", replace(base, max_pass_seconds=args.max_pass_ms / 1000)))
+    return configs
 
 
 def main() -> None:
@@ -306,9 +414,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING)
     args = parse_args()
-    configs: list[tuple[str, float | None]] = [] if args.no_unpaced else [("unpaced (default)", None)]
-    if args.max_pass_ms > 0:
-        configs.append((f"max_pass_ms={args.max_pass_ms:g}", args.max_pass_ms / 1000))
+    configs = variant_limits(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if model_dir is None:
@@ -316,8 +422,8 @@ def main() -> None:
 
             model_dir = build_dev_model(Path(tmp) / "model", layers=args.layers, hidden=args.hidden, vocab=2048,
                                         seed=0)
-        services = [(name, build_service(model_dir, Path(tmp) / f"data-{i}", args, max_pass_s))
-                    for i, (name, max_pass_s) in enumerate(configs)]
+        services = [(name, build_service(model_dir, Path(tmp) / f"data-{i}", args, limits))
+                    for i, (name, limits) in enumerate(configs)]
         try:
             variants = asyncio.run(run(services, args))
         finally:

@@ -307,6 +307,9 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads, both processes")
     parser.add_argument("--batch-window-ms", type=float, default=None,
                         help="the scheduler's batch window (CARPOOL_BATCH_WINDOW_MS); default: the server's own (5)")
+    parser.add_argument("--fixed-batch-window", action="store_true",
+                        help="wait the batch window for every request, also a lone tenant's "
+                        "(CARPOOL_BATCH_WINDOW_ADAPTIVE=false); default: the server's own (adaptive)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     threads = str(args.torch_threads)
@@ -317,6 +320,8 @@ def main() -> None:
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         if args.batch_window_ms is not None:
             env["CARPOOL_BATCH_WINDOW_MS"] = str(args.batch_window_ms)
+        if args.fixed_batch_window:
+            env["CARPOOL_BATCH_WINDOW_ADAPTIVE"] = "false"
         server = start_server(Path(tmp) / "data", model_dir, extra_env=env)
         try:
             print("(a) forward_backward: SDK round trip vs. engine ...", flush=True)
@@ -346,7 +351,8 @@ def main() -> None:
         print(series.row())
     print(f"long-polls held while the heartbeats ran: {held} (polls answered meanwhile: {polls}); "
           f"torch threads: {args.torch_threads}; batch window: "
-          f"{'default' if args.batch_window_ms is None else f'{args.batch_window_ms:g} ms'}; "
+          f"{'default' if args.batch_window_ms is None else f'{args.batch_window_ms:g} ms'}"
+          f"{' (fixed)' if args.fixed_batch_window else ' (adaptive)'}; "
           f"load average at the end: {os.getloadavg()[0]:.2f}")
     print(f"RESULT gateway_overhead_p50_ms={quantile(overhead.ms, 0.5):.2f} "
           f"gateway_overhead_p95_ms={quantile(overhead.ms, 0.95):.2f} "

@@ -120,7 +120,7 @@ def _print_regime(regime: Regime, engine: Engine, per_adapter: int, rss_per_adap
     n_params = sum(p.numel() for p in engine.lm.model.parameters())
     print(f"[{regime.name}] model={regime.model_dir.name} params={n_params / 1e6:.1f}M "
           f"device={engine.lm.device} dtype={engine.lm.dtype} adapters={regime.adapters} "
-          f"x {regime.seqs_per_adapter} seq x {regime.seq_len} tok")
+          f"x {regime.seqs_per_adapter} seq x {regime.seq_len} tok, passes of <= {engine.micro_batch_tokens} tokens")
     print(f"[{regime.name}] memory per extra resident adapter: {per_adapter / 2**20:.2f} MiB "
           f"(LoRA factors + AdamW moments); process RSS grew {rss_per_adapter / 2**20:.2f} MiB per adapter")
 
@@ -176,11 +176,12 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--lora-strategy", default="auto")
-    parser.add_argument("--pass-tokens", type=int, default=1 << 16,
-                        help="the engine's max_tokens_per_pass (micro-batch budget); default: every way is one pass")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="tokens per packed pass (EngineConfig.micro_batch_tokens); default: the engine's "
+                             "choice for the device (512 on CPU, one pass per call on a GPU)")
     args = parser.parse_args()
     config = EngineConfig(device=args.device, dtype=args.dtype, lora_strategy=args.lora_strategy,
-                          max_tokens_per_pass=args.pass_tokens)
+                          max_tokens_per_pass=1 << 16, micro_batch_tokens=args.micro_batch_tokens)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"cuda {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
     ratios: dict[str, float] = {}

@@ -110,7 +110,7 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
         engine = _engine(settings, spec, path)
         loop = SchedulerLoop(spec.name, engine, queue, results, notifier, scheduler=_scheduler(settings),
                              hook=DatabaseCompletionHook(db),
-                             config=LoopConfig(batch_window_s=settings.batch_window_ms / 1000))
+                             config=loop_config(settings))
         engines[spec.name] = engine
         loops.append(loop)
         served.append(ServedModel(engine.info, engine.limits, queue=spec.name,
@@ -127,15 +127,23 @@ def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:
     config = EngineConfig(max_tokens_per_pass=settings.max_tokens_per_pass,
                           max_resident_adapters=settings.max_resident_adapters,
                           spill_dir=settings.spill_dir / safe_component(spec.name),
-                          device=settings.device, dtype=settings.dtype)
+                          device=settings.device, dtype=settings.dtype,
+                          micro_batch_tokens=settings.micro_batch_tokens)
     return Engine(path, name=spec.name, config=config)
+
+
+def loop_config(settings: ServiceSettings) -> LoopConfig:
+    """The scheduler loop's timing settings (shared with the cluster's scheduler service)."""
+    return LoopConfig(batch_window_s=settings.batch_window_ms / 1000,
+                      batch_window_lookback_s=1.0 if settings.batch_window_adaptive else None)
 
 
 def _scheduler(settings: ServiceSettings) -> Scheduler:
     max_pass_s = settings.max_pass_ms / 1000 if settings.max_pass_ms is not None else None
     return Scheduler(SchedulerLimits(max_tokens_per_pass=settings.max_tokens_per_step,
                                      max_adapters_per_pass=settings.max_adapters_per_pass,
-                                     max_pass_seconds=max_pass_s))
+                                     max_pass_seconds=max_pass_s,
+                                     pass_latency_factor=settings.pass_latency_factor))
 
 
 def _checkpoint_store(settings: ServiceSettings) -> LocalCheckpointStore:

@@ -23,12 +23,13 @@ from dataclasses import asdict
 import redis
 
 from deploy.embedded import _scheduler as embedded_scheduler
+from deploy.embedded import loop_config
 from deploy.settings import ClusterSettings
 from services.control.recording import DatabaseCompletionHook
 from services.db import Database
 from services.jobqueue.redis_queue import RedisWorkQueue
 from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
-from services.runtime import LoopConfig, SchedulerLoop
+from services.runtime import SchedulerLoop
 from services.runtime.journal import RedisJournal, RedisPlacement
 from services.runtime.recovery import (
     DatabasePositions,
@@ -115,7 +116,7 @@ class SchedulerService:
         queue = GuardedQueue(RedisWorkQueue(client, prefix=prefix, consumer=self.holder), client)
         loop = SchedulerLoop(self.base_model, pool, queue, results, RedisNotifier(client, prefix=prefix),
                              scheduler=RecoveringScheduler(positions, limits), hook=hook,
-                             config=LoopConfig(batch_window_s=settings.batch_window_ms / 1000))
+                             config=loop_config(settings))
         return loop, pool
 
     def _publish_stats(self) -> None:

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.db.engine import database_url_for_data_dir, normalize_database_url
+from services.scheduler.policy import DEFAULT_PASS_LATENCY_FACTOR
 
 DEFAULT_BASE_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m"]
 
@@ -66,6 +67,9 @@ class ServiceSettings(BaseSettings):
                               "float16); default: chosen for the device.")
     max_tokens_per_pass: int = Field(8192, ge=1, description=(
         "Tokens in one packed forward/backward micro-batch on a worker; one datum may not exceed it."))
+    micro_batch_tokens: int | None = Field(None, ge=1, description=(
+        "Tokens per packed pass when a step holds more (capped by max_tokens_per_pass); default: 512 on CPU, "
+        "where bigger passes ran slower per token, and max_tokens_per_pass on a GPU."))
     max_tokens_per_step: int = Field(32768, ge=1, description=(
         "Tokens the scheduler packs into one step (several micro-batches); a forward_backward request "
         "larger than this is refused."))
@@ -77,6 +81,9 @@ class ServiceSettings(BaseSettings):
         "Longest a retrieve_future call is held open before answering try_again (the SDK times out at 45)."))
     batch_window_ms: float = Field(5.0, ge=0, description=(
         "How long the scheduler waits after work arrives for more, so tenants' requests share a pass."))
+    batch_window_adaptive: bool = Field(True, description=(
+        "Apply the batch window only while requests of two or more tenants arrived within the last second; "
+        "a tenant training alone is planned at once. False: always wait the window."))
     default_max_models_per_tenant: int | None = Field(None, ge=1, description=(
         "Models per tenant when the tenant has no max_models quota of its own; unset: unlimited."))
     default_tokens_per_minute: int | None = Field(None, ge=1, description=(
@@ -94,11 +101,16 @@ class ServiceSettings(BaseSettings):
     saturation_wait_seconds: float | None = Field(30.0, gt=0, description=(
         "A request still queued (not running) after this long reports queue_state paused_capacity; unset: "
         "never by wait."))
+    pass_latency_factor: float = Field(DEFAULT_PASS_LATENCY_FACTOR, ge=0, description=(
+        "While two or more tenants train, keep each packed pass about this many times as long as the smallest "
+        "tenant's queued work would take alone (pass time is fitted as fixed + per-token cost from the passes "
+        "run), which bounds a light tenant's wait beside a heavy one. Where a pass costs mostly a fixed amount "
+        "(a GPU) passes stay large; where it costs per token (a CPU) they shrink. A tenant alone keeps full "
+        "passes. 0: off, passes fill max_tokens_per_step (most packing, best throughput)."))
     max_pass_ms: float | None = Field(None, gt=0, description=(
-        "While two or more tenants train, pace packed passes to about this long (the token budget follows the "
-        "measured throughput; one request always fits), which bounds how long a light tenant's request waits "
-        "behind a heavy tenant's running pass. Unset: passes fill max_tokens_per_step (most packing, best "
-        "throughput)."))
+        "An explicit pass-duration target while two or more tenants train, instead of pass_latency_factor "
+        "(the token budget follows the fitted pass cost; one request always fits). Unset: "
+        "pass_latency_factor decides."))
     download_url_ttl_seconds: int = Field(3600, ge=60, description="Lifetime of signed download URLs.")
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
 

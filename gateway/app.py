@@ -59,7 +59,9 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     app.state.metrics = RouteMetrics()
     app.state.sample_render = SampleRenderCache(settings.sample_render_cache_size)
     install_error_handlers(app)
-    for module in (service, training, weights, sampling, futures):
+    # Routers are matched in order, each scanning its routes, and no two share a path: the per-call hot
+    # routes (retrieve_future, then forward_backward / optim_step) go first.
+    for module in (futures, training, service, weights, sampling):
         app.include_router(module.router)
     app.include_router(rest.router)
     if settings.metrics_enabled:

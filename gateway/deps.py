@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.routing import BaseRoute
 
@@ -33,9 +33,12 @@ from services.wire import parse_request
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
-# Declared for the OpenAPI "Authorize" dialog only; `current_tenant` reads the headers itself.
-_api_key_scheme = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description="API key `tml-...`")
-_bearer_scheme = HTTPBearer(auto_error=False, description="API key `tml-...` as a bearer token")
+# The OpenAPI "Authorize" dialog's schemes, declared on every route that needs `current_tenant` by
+# `install_openapi` (as FastAPI security dependencies they would also run on every request).
+SECURITY_SCHEMES: dict[str, dict[str, str]] = {
+    "APIKeyHeader": {"type": "apiKey", "description": "API key `tml-...`", "in": "header", "name": API_KEY_HEADER},
+    "HTTPBearer": {"type": "http", "description": "API key `tml-...` as a bearer token", "scheme": "bearer"},
+}
 
 
 # These read `app.state` only, so they are coroutines: FastAPI runs a plain `def` dependency in its thread
@@ -65,8 +68,6 @@ RenderCache = Annotated[SampleRenderCache, Depends(sample_render_cache)]
 async def current_tenant(
     request: Request,
     auth: Auth,
-    _api_key: Annotated[str | None, Depends(_api_key_scheme)],
-    _bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer_scheme)],
 ) -> Tenant:
     """The authenticated caller; 401 (JSON, naming the header) for a missing, unknown or revoked key."""
     key = credential_from_headers(request.headers)
@@ -138,16 +139,24 @@ def _build(app: FastAPI) -> dict[str, Any]:
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     components: dict[str, Any] = schema.setdefault("components", {}).setdefault("schemas", {})
+    schema["components"]["securitySchemes"] = SECURITY_SCHEMES
     for route in _api_routes(app.routes):
         specs: tuple[BodySpec, ...] | None = getattr(route.endpoint, _BODY_ATTR, None)
-        if not specs:
-            continue
-        content = {ctype: {"schema": _schema_ref(model, components)} for ctype, model in specs}
+        content = {ctype: {"schema": _schema_ref(model, components)} for ctype, model in specs or ()}
+        authenticated = _depends_on(route.dependant, current_tenant)
         for method in route.methods:
             operation = schema["paths"].get(route.path_format, {}).get(method.lower())
-            if operation is not None:
+            if operation is None:
+                continue
+            if content:
                 operation["requestBody"] = {"required": True, "content": content}
+            if authenticated:
+                operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
     return schema
+
+
+def _depends_on(dependant: Dependant, call: Callable[..., Any]) -> bool:
+    return any(d.call is call or _depends_on(d, call) for d in dependant.dependencies)
 
 
 def _api_routes(routes: Iterable[BaseRoute]) -> Iterator[APIRoute]:

@@ -1,10 +1,11 @@
 """What every part of the service control plane shares: its dependencies, options and a few primitives.
 
-`ControlContext` bundles the database, the queue / result store / notifier set, the checkpoint store and
-the registry of served base models, plus the primitives the parts build on: running a transaction off
-the event loop (`tx`), putting work or an immediate error result on the queue (`enqueue`, `fail_now`),
-waiting for a request's stored result (`await_result`, the same get → wait → get long-poll the
-gateway's `retrieve` uses), and the few read queries the `services.db` repositories do not offer.
+`ControlContext` bundles the database, the queue / result store / notifier set, the checkpoint store, the
+registry of served base models and the requests accepted here but not yet collected, plus the primitives the
+parts build on: running a transaction off the event loop (`tx`), putting work or an immediate error result
+on the queue (`enqueue`, `fail_now`), waiting for a request's stored result (`await_result`, the same get →
+wait → get long-poll the gateway's `retrieve` uses), and the few read queries the `services.db` repositories
+do not offer.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
+from services.control.pending import AcceptedRequests
 from services.control.quotas import QuotaGate, QuotaOptions
 from services.control.registry import ModelRegistry, ServedModel
 from services.db.columns import utcnow
@@ -65,6 +67,8 @@ class ControlContext:
     options: ControlOptions
     clock: Callable[[], datetime] = utcnow
     quotas: QuotaGate = field(default_factory=QuotaGate)
+    accepted: AcceptedRequests = field(default_factory=AcceptedRequests)
+    """Requests accepted here whose result is not collected yet (spares their first poll a read)."""
 
     async def tx(self, fn: Callable[[Session], _T]) -> _T:
         """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""
@@ -126,8 +130,12 @@ def not_found(what: str, ident: str) -> str:
 
 def request_for_seq(db: Session, model_id: ModelId, seq_id: int) -> RequestRow | None:
     """The request that took `seq_id` of a run (the unique (model_id, seq_id) row), if any."""
-    stmt = select(RequestRow).where(RequestRow.model_id == model_id, RequestRow.seq_id == seq_id)
-    return db.scalars(stmt).one_or_none()
+    return db.scalars(_REQUEST_FOR_SEQ, {"model_id": model_id, "seq_id": seq_id}).one_or_none()
+
+
+_REQUEST_FOR_SEQ = select(RequestRow).where(RequestRow.model_id == bindparam("model_id"),
+                                            RequestRow.seq_id == bindparam("seq_id"))
+"""Built once: every ordered submission looks its seq id up."""
 
 
 def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:

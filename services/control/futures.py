@@ -1,9 +1,11 @@
 """Futures: `retrieve` long-polls a request's stored result and maps it onto the API's outcome types.
 
-Ownership is checked through the request log (another tenant's request id is "not found", like an
-unknown one). Then the long-poll pattern of `services.jobqueue`: result store → if nothing, wait on the
-notifier → result store again. A request that ended but whose result is gone (expired after its TTL, or
-lost with a restarted process) is answered from its request-log row, so a client never polls forever.
+Ownership is checked through the request log (another tenant's request id is "not found", like an unknown
+one), or through `ControlContext.accepted` for a request this process accepted and has not answered yet (its
+owner and kind cannot change; see `services.control.pending`). Then the long-poll pattern of
+`services.jobqueue`: result store → if nothing, wait on the notifier → result store again. A request that
+ended but whose result is gone (expired after its TTL, or lost with a restarted process) is answered from
+its request-log row, so a client never polls forever.
 A pending answer carries a `queue_state`: `paused_capacity` while the request still waits to run on a
 saturated base model (`quotas.QuotaGate.capacity_state`), else `active`; the SDK logs the change.
 """
@@ -34,11 +36,24 @@ class FutureOps:
         self._ctx = ctx
 
     async def retrieve(self, tenant: Tenant, request_id: RequestId, timeout_s: float) -> FutureState:
+        state = await self._retrieve(tenant, request_id, min(max(0.0, timeout_s), self._ctx.options.long_poll_max_s))
+        if not isinstance(state, Pending):
+            self._ctx.accepted.discard(request_id)  # answered: a later poll reads the request log
+        return state
+
+    async def _retrieve(self, tenant: Tenant, request_id: RequestId, wait_s: float) -> FutureState:
+        accepted = self._ctx.accepted.get(request_id)
+        if accepted is not None and accepted.tenant_id == tenant.id:
+            # Accepted here and not answered yet: owner and kind are known, the result is still to come.
+            stored = await self._ctx.await_result(request_id, wait_s)
+            if stored is not None:
+                return outcome_of(accepted.kind, stored)
+            return await self._pending_or_final(tenant, request_id)
         row = await self._owned(tenant, request_id)
         stored = await self._ctx.results.get(request_id)
         if stored is None and row.status in UNFINISHED:
-            wait = min(max(0.0, timeout_s), self._ctx.options.long_poll_max_s)
-            stored = await self._ctx.await_result(request_id, wait)
+            self._ctx.accepted.add(request_id, row.tenant_id, row.kind)  # its re-polls skip this read
+            stored = await self._ctx.await_result(request_id, wait_s)
         if stored is not None:
             return outcome_of(row.kind, stored)
         if row.status in UNFINISHED:

@@ -1,16 +1,27 @@
 """`DatabaseCompletionHook`: what a scheduler loop's work leaves in the database.
 
-On start of a plan item its requests become `running` (with the pass id, which joins the request log with
-pass logs); on completion they become `done` (with their token count) or `failed` (with the error and its
-category), a successful save writes its checkpoint row, and usage is added to the tenant's hourly bucket.
-A save whose checkpoint row cannot be written (its name was taken meanwhile) fails as a user error rather
-than handing the client a path nobody can resolve.
+On completion a plan item's requests become `done` (with their token count, pass id — which joins the request
+log with pass logs — and start time) or `failed` (with the error and its category), a successful save writes
+its checkpoint row, and usage is added to the tenant's hourly bucket, all in one transaction that ends before
+the loop stores and announces the results (a client holding a result finds its request finished and
+counted). A save whose checkpoint row cannot be written (its name was taken meanwhile) fails as a user error
+rather than handing the client a path nobody can resolve.
+
+The `running` state is written only for items still in flight `running_after_s` after they started, by a
+`RunningMarker` thread alongside the item: a commit before every pass would sit on the loop thread's critical
+path for each request, while a request that finishes within a few ms is never observed as running anyway.
+Transitions are conditional UPDATEs (`services.db.request_log`), so a late `running` write after `done`
+changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy.orm import Session
 
@@ -30,24 +41,37 @@ from services.scheduler.requests import Completion, QueuedRequest
 log = logging.getLogger(__name__)
 
 
-class DatabaseCompletionHook:
-    """`CompletionHook` writing the request log, checkpoint rows and usage; one transaction per call."""
+RUNNING_AFTER_S = 0.05
+"""Plan items still running after this long get their requests marked `running`."""
 
-    def __init__(self, db: Database) -> None:
+
+class DatabaseCompletionHook:
+    """`CompletionHook` writing the request log, checkpoint rows and usage; one transaction per finished item.
+
+    `running_after_s` None writes `running` synchronously at the start of every item (one more commit each).
+    """
+
+    def __init__(self, db: Database, *, running_after_s: float | None = RUNNING_AFTER_S) -> None:
         self._db = db
+        self._marker = RunningMarker(db, running_after_s) if running_after_s is not None else None
 
     def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
-        now = utcnow()
-        with self._db.sessions.begin() as db:
-            for request in requests:
-                mark_request_running(db, TenantId(request.tenant_id), RequestId(request.request_id),
-                                     pass_id=pass_id, now=now)
+        item = InFlightItem(pass_id, tuple(requests), utcnow())
+        if self._marker is not None:
+            self._marker.schedule(item)
+        else:
+            mark_running(self._db, item)
 
     def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+        started_at = self._marker.started_at(pass_id) if self._marker and pass_id else None
         with self._db.sessions.begin() as db:
-            return [self._finish(db, completion, pass_id) for completion in completions]
+            final = [self._finish(db, completion, pass_id, started_at) for completion in completions]
+        if self._marker is not None and pass_id is not None:
+            self._marker.forget(pass_id)  # only after the commit: a retried call still knows the start time
+        return final
 
-    def _finish(self, db: Session, completion: Completion, pass_id: str | None) -> Completion:
+    def _finish(self, db: Session, completion: Completion, pass_id: str | None,
+                started_at: datetime | None) -> Completion:
         request, result = completion.request, completion.result
         tenant_id, request_id = TenantId(request.tenant_id), RequestId(request.request_id)
         if isinstance(request.payload, Save) and isinstance(result, CheckpointRef):
@@ -56,12 +80,99 @@ class DatabaseCompletionHook:
                 completion = Completion(request, problem)
                 result = problem
         if isinstance(result, WorkError):
-            mark_request_failed(db, tenant_id, request_id, error=result.message, category=result.category)
+            mark_request_failed(db, tenant_id, request_id, error=result.message, category=result.category,
+                                pass_id=pass_id, started_at=started_at)
             return completion
         tokens = _tokens(request, result)
-        mark_request_done(db, tenant_id, request_id, num_tokens=tokens, pass_id=pass_id)
+        mark_request_done(db, tenant_id, request_id, num_tokens=tokens, pass_id=pass_id, started_at=started_at)
         record_usage(db, tenant_id, request.kind.value, tokens=tokens)
         return completion
+
+
+@dataclass
+class InFlightItem:
+    pass_id: str
+    requests: tuple[QueuedRequest, ...]
+    started_at: datetime
+    due: float = 0.0
+    """Monotonic time from which its requests are marked running."""
+    marked: bool = False
+
+
+def mark_running(db: Database, *items: InFlightItem) -> None:
+    """queued → running for the items' requests, in one transaction."""
+    with db.sessions.begin() as session:
+        for item in items:
+            for request in item.requests:
+                mark_request_running(session, TenantId(request.tenant_id), RequestId(request.request_id),
+                                     pass_id=item.pass_id, now=item.started_at)
+
+
+class RunningMarker:
+    """Marks the requests of items still in flight `delay_s` after they started as `running`, on its own thread.
+
+    The thread starts with the first item, looks for items that came due every `delay_s` (at least 10 ms), so
+    an item is marked between `delay_s` and twice that after its start, and ends after `idle_exit_s` without
+    new items, so an idle hook holds no thread. It polls rather than being woken per item because a wake-up
+    at the start of every pass would make it compete with the pass for the GIL. A failed write is logged and
+    dropped: the finishing transaction records the pass id and the start time anyway, `running` only shows
+    a long item's progress in the meantime.
+    """
+
+    def __init__(self, db: Database, delay_s: float, *, idle_exit_s: float = 10.0) -> None:
+        self._db = db
+        self._delay_s = delay_s
+        self._poll_s = max(delay_s, 0.01)
+        self._idle_exit_s = idle_exit_s
+        self._cond = threading.Condition()
+        self._items: dict[str, InFlightItem] = {}
+        self._last_scheduled = 0.0
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, item: InFlightItem) -> None:
+        now = time.monotonic()
+        item.due = now + self._delay_s
+        with self._cond:
+            self._items[item.pass_id] = item
+            self._last_scheduled = now
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="request-log:running", daemon=True)
+                self._thread.start()
+
+    def started_at(self, pass_id: str) -> datetime | None:
+        with self._cond:
+            item = self._items.get(pass_id)
+        return item.started_at if item is not None else None
+
+    def forget(self, pass_id: str) -> None:
+        with self._cond:
+            self._items.pop(pass_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                due = self._wait_for_due()
+                if not due:
+                    self._thread = None
+                    return
+            try:
+                mark_running(self._db, *due)
+            except Exception:  # noqa: BLE001 - see the class docstring
+                log.warning("could not mark %d plan items running", len(due), exc_info=True)
+
+    def _wait_for_due(self) -> list[InFlightItem]:
+        """Under the lock: the items that came due (marked as taken), or [] once idle for `idle_exit_s`."""
+        while True:
+            now = time.monotonic()
+            waiting = [item for item in self._items.values() if not item.marked]
+            due = [item for item in waiting if item.due <= now]
+            if due:
+                for item in due:
+                    item.marked = True
+                return due
+            if not waiting and now - self._last_scheduled >= self._idle_exit_s:
+                return []
+            self._cond.wait(self._poll_s)
 
 
 def _write_checkpoint(db: Session, record: CheckpointRecord, ref: CheckpointRef) -> WorkError | None:

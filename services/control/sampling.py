@@ -86,6 +86,7 @@ class SamplingOps:
             tokens = sample_tokens(work)
             request_id, is_new = await self._ctx.tx(lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens))
             if is_new:
+                self._ctx.accepted.add(request_id, tenant.id, "sample")
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
         return SampleSubmitted(request_id, sample_sequence_ids(request_id, work.num_samples))

@@ -90,6 +90,7 @@ class OrderedSubmitter:
             self._ctx.quotas.refused(call.tenant, call.model_id, call.seq_id, exc.retry_after_s, self.consume)
             raise
         if not decision.duplicate:
+            self._ctx.accepted.add(decision.request_id, call.tenant.id, call.kind_name)
             self._dispatch(call, decision)
         if isinstance(decision.refusal, ControlError):
             raise decision.refusal

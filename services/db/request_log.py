@@ -7,17 +7,23 @@ finished request back to running or overwrite how it ended.
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, Table, Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from services.db.columns import utcnow
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId, new_request_id
 from services.db.models import RequestRow, RequestStatus
-from services.db.statements import DEFAULT_PAGE_SIZE, execute_count, paginate
+from services.db.statements import DEFAULT_PAGE_SIZE, core, execute_count, paginate
 
 UNFINISHED: tuple[RequestStatus, ...] = ("queued", "running")
+
+_TABLE: Table = RequestRow.__table__  # type: ignore[assignment]
+_INSERTED = ("id", "tenant_id", "model_id", "sampling_session_id", "kind", "seq_id", "status", "created_at")
+_INSERT = insert(_TABLE)  # the VALUES clause follows the parameters' keys (always `_INSERTED`)
 
 
 def record_request(
@@ -31,7 +37,7 @@ def record_request(
     seq_id: int | None = None,
     now: datetime | None = None,
 ) -> RequestRow:
-    """Log a newly accepted request as queued.
+    """Log a newly accepted request as queued; returns the row as written (not attached to the session).
 
     A second request with the same (model_id, seq_id) violates a unique constraint (IntegrityError):
     the caller is expected to have claimed `seq_id` through `runs.reserve_seq_id`.
@@ -46,8 +52,7 @@ def record_request(
         status="queued",
         created_at=now or utcnow(),
     )
-    db.add(row)
-    db.flush()
+    core(db).execute(_INSERT, {column: getattr(row, column) for column in _INSERTED})
     return row
 
 
@@ -88,13 +93,30 @@ def _transition(
     request_id: RequestId,
     allowed_from: tuple[RequestStatus, ...],
     values: dict[str, object],
+    keep_existing: tuple[str, ...] = (),
 ) -> bool:
-    stmt = update(RequestRow).where(
-        RequestRow.id == request_id,
-        RequestRow.tenant_id == tenant_id,
-        RequestRow.status.in_(allowed_from),
+    """The conditional UPDATE; columns in `keep_existing` are only set where still NULL."""
+    stmt = _transition_statement(allowed_from, tuple(sorted(values)), keep_existing)
+    params = {"w_id": request_id, "w_tenant_id": tenant_id, **{f"v_{k}": v for k, v in values.items()}}
+    return int(core(db).execute(stmt, params).rowcount) == 1
+
+
+@functools.cache
+def _transition_statement(
+    allowed_from: tuple[RequestStatus, ...], columns: tuple[str, ...], keep_existing: tuple[str, ...]
+) -> Update:
+    """Built once per shape (a handful: one per transition and optional column set)."""
+    table = _TABLE
+    values: dict[str, ColumnElement[Any]] = {}
+    for name in columns:
+        param = bindparam(f"v_{name}", type_=table.c[name].type)
+        values[name] = func.coalesce(table.c[name], param) if name in keep_existing else param
+    return (
+        update(table)
+        .where(table.c.id == bindparam("w_id"), table.c.tenant_id == bindparam("w_tenant_id"),
+               table.c.status.in_(allowed_from))
+        .values(values)
     )
-    return execute_count(db, stmt.values(**values)) == 1
 
 
 def mark_request_running(
@@ -117,13 +139,15 @@ def mark_request_done(
     *,
     num_tokens: int | None = None,
     pass_id: str | None = None,
+    started_at: datetime | None = None,
     now: datetime | None = None,
 ) -> bool:
-    """queued|running → done (a request may finish without a separate running report)."""
+    """queued|running → done (a request may finish without a separate running report; `started_at` then
+    records when it started, unless a running report already did)."""
     values: dict[str, object] = {"status": "done", "finished_at": now or utcnow(), "num_tokens": num_tokens}
-    if pass_id is not None:
-        values["pass_id"] = pass_id
-    return _transition(db, tenant_id, request_id, UNFINISHED, values)
+    _set_run_info(values, pass_id, started_at)
+    # A running report's start time, if there was one, stays: it is the more precise of the two.
+    return _transition(db, tenant_id, request_id, UNFINISHED, values, keep_existing=("started_at",))
 
 
 def mark_request_failed(
@@ -133,16 +157,28 @@ def mark_request_failed(
     *,
     error: str,
     category: str = "unknown",
+    pass_id: str | None = None,
+    started_at: datetime | None = None,
     now: datetime | None = None,
 ) -> bool:
-    """queued|running → failed, with Tinker's error category (unknown/server/user)."""
+    """queued|running → failed, with Tinker's error category (unknown/server/user); `pass_id` and
+    `started_at` as for `mark_request_done` (for a request that ran)."""
     values: dict[str, object] = {
         "status": "failed",
         "finished_at": now or utcnow(),
         "error": error,
         "category": category,
     }
-    return _transition(db, tenant_id, request_id, UNFINISHED, values)
+    _set_run_info(values, pass_id, started_at)
+    # A running report's start time, if there was one, stays: it is the more precise of the two.
+    return _transition(db, tenant_id, request_id, UNFINISHED, values, keep_existing=("started_at",))
+
+
+def _set_run_info(values: dict[str, object], pass_id: str | None, started_at: datetime | None) -> None:
+    if pass_id is not None:
+        values["pass_id"] = pass_id
+    if started_at is not None:
+        values["started_at"] = started_at
 
 
 def fail_unfinished_requests(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import Integer, Table, Update, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from services.db.columns import utcnow
@@ -25,7 +25,7 @@ from services.db.ids import (
 )
 from services.db.models import SamplingSessionRow, TrainingRunRow, TrainingRunStatus
 from services.db.sessions import get_session
-from services.db.statements import DEFAULT_PAGE_SIZE, execute_count, insert_for, paginate
+from services.db.statements import DEFAULT_PAGE_SIZE, core, execute_count, insert_for, paginate
 
 
 def _require_session(db: Session, tenant_id: TenantId, session_id: SessionId) -> None:
@@ -73,8 +73,12 @@ def create_training_run(
 
 def get_training_run(db: Session, tenant_id: TenantId, model_id: ModelId) -> TrainingRunRow | None:
     """The run if it exists and belongs to `tenant_id`, else None."""
-    stmt = select(TrainingRunRow).where(TrainingRunRow.id == model_id, TrainingRunRow.tenant_id == tenant_id)
-    return db.scalars(stmt).one_or_none()
+    return db.scalars(_RUN_BY_ID, {"model_id": model_id, "tenant_id": tenant_id}).one_or_none()
+
+
+_RUN_BY_ID = select(TrainingRunRow).where(TrainingRunRow.id == bindparam("model_id"),
+                                          TrainingRunRow.tenant_id == bindparam("tenant_id"))
+"""Built once: a run is looked up on every training request."""
 
 
 def list_training_runs(
@@ -122,18 +126,29 @@ def reserve_seq_id(
     past it (never backwards). Returns the claimed number, or None if the run is not this tenant's.
     A single UPDATE ... RETURNING, so concurrent callers never get the same number.
     """
-    column = TrainingRunRow.next_seq_id
-    new_next = column + 1 if seq_id is None else case((column > seq_id, column), else_=seq_id + 1)
-    stmt = (
-        update(TrainingRunRow)
-        .where(TrainingRunRow.id == model_id, TrainingRunRow.tenant_id == tenant_id)
-        .values(next_seq_id=new_next, last_request_at=now or utcnow())
-        .returning(TrainingRunRow.next_seq_id)
-    )
-    claimed_next = db.execute(stmt).scalar_one_or_none()
+    params = {"w_id": model_id, "w_tenant_id": tenant_id, "v_at": now or utcnow(), "v_seq": seq_id}
+    # A run row the caller loaded keeps its old counter (a Core statement on the session's connection).
+    stmt = _RESERVE_NEXT if seq_id is None else _RESERVE_GIVEN
+    claimed_next = core(db).execute(stmt, params).scalar_one_or_none()
     if claimed_next is None:
         return None
     return claimed_next - 1 if seq_id is None else seq_id
+
+
+def _reserve_statement(given: bool) -> Update:
+    table: Table = TrainingRunRow.__table__  # type: ignore[assignment]
+    column, seq = table.c.next_seq_id, bindparam("v_seq", type_=Integer())
+    return (
+        update(table)
+        .where(table.c.id == bindparam("w_id"), table.c.tenant_id == bindparam("w_tenant_id"))
+        .values(next_seq_id=case((column > seq, column), else_=seq + 1) if given else column + 1,
+                last_request_at=bindparam("v_at", type_=table.c.last_request_at.type))
+        .returning(column)
+    )
+
+
+_RESERVE_NEXT = _reserve_statement(given=False)
+_RESERVE_GIVEN = _reserve_statement(given=True)
 
 
 def create_sampling_session(

@@ -7,16 +7,17 @@ such as `train_tokens` or `sample_tokens`; their meaning belongs to the caller.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import Executable, func, select
 from sqlalchemy.orm import Session
 
 from services.db.columns import utcnow
 from services.db.ids import TenantId
 from services.db.models import UsageRow
-from services.db.statements import insert_for
+from services.db.statements import core, insert_for_dialect
 
 
 @dataclass(frozen=True)
@@ -45,22 +46,23 @@ def record_usage(
     """Add `tokens` and `requests` to the tenant's bucket for the current hour (created on first use)."""
     if tokens < 0 or requests < 0:
         raise ValueError(f"usage increments must be >= 0, got tokens={tokens} requests={requests}")
-    insert = insert_for(db, UsageRow).values(
-        tenant_id=tenant_id,
-        bucket_start=hour_bucket(now or utcnow()),
-        kind=kind,
-        tokens=tokens,
-        requests=requests,
-    )
+    params = {"tenant_id": tenant_id, "bucket_start": hour_bucket(now or utcnow()), "kind": kind,
+              "tokens": tokens, "requests": requests}
+    core(db).execute(_upsert(db.get_bind().dialect.name), params)
+
+
+@functools.cache
+def _upsert(dialect: str) -> Executable:
+    """The increment, built once per backend; the VALUES clause follows the parameters' keys."""
+    insert = insert_for_dialect(dialect, UsageRow)
     # A single upsert is atomic on both backends: concurrent increments to one bucket never lose counts.
-    stmt = insert.on_conflict_do_update(
+    return insert.on_conflict_do_update(
         index_elements=[UsageRow.tenant_id, UsageRow.bucket_start, UsageRow.kind],
         set_={
             "tokens": UsageRow.tokens + insert.excluded.tokens,
             "requests": UsageRow.requests + insert.excluded.requests,
         },
     )
-    db.execute(stmt)
 
 
 def usage_buckets(

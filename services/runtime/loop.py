@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.control.api import RuntimeStats
@@ -44,7 +44,10 @@ class LoopConfig:
     """How long an idle loop waits for work per claim; also bounds how long `stop()` takes to notice."""
     batch_window_s: float = 0.005
     """After work arrives, wait this long for more before planning, so near-simultaneous requests of
-    several tenants share a pass. Adds at most this much latency to a lone request."""
+    several tenants share a pass. Adds at most this much latency to a request."""
+    batch_window_lookback_s: float | None = 1.0
+    """The window applies only while requests of at least two tenants arrived within this many seconds
+    (counting the ones just claimed); a lone tenant's work is planned at once. None: always apply it."""
     max_claim: int = 512
     """Queue entries taken per claim."""
     result_ttl_s: float = DEFAULT_RESULT_TTL_S
@@ -80,6 +83,8 @@ class SchedulerLoop:
         # Pass ids join the request log with pass logs; the prefix tells loops (and restarts) apart.
         self._pass_prefix = f"pass-{secrets.token_hex(4)}"
         self._iterations = itertools.count()
+        lookback = self._config.batch_window_lookback_s
+        self._activity = TenantActivity(lookback) if lookback is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,10 +144,18 @@ class SchedulerLoop:
     def _claim(self, wait_s: float) -> list[Delivery]:
         claimed = self._queue.claim(self.base_model, self._config.max_claim, wait_s)
         window = self._config.batch_window_s
-        if claimed and window > 0 and not self._stop.is_set():
+        if claimed and window > 0 and self._others_active(claimed) and not self._stop.is_set():
             time.sleep(window)
-            claimed += self._queue.claim(self.base_model, self._config.max_claim, 0.0)
+            late = self._queue.claim(self.base_model, self._config.max_claim, 0.0)
+            self._others_active(late)  # remember who came late, too
+            claimed += late
         return claimed
+
+    def _others_active(self, claimed: Sequence[Delivery]) -> bool:
+        """Note the claimed requests' tenants; whether a batch window may gather requests of others."""
+        if self._activity is None:
+            return True
+        return self._activity.note((d.request.tenant_id for d in claimed), time.monotonic()) >= 2
 
     def _admit(self, delivery: Delivery) -> None:
         request = delivery.request
@@ -190,3 +203,21 @@ class SchedulerLoop:
                       self.base_model, len(amended), len(completions))
             return list(completions)
         return amended
+
+
+class TenantActivity:
+    """When each tenant last had work claimed; answers how many were active within `lookback_s`."""
+
+    def __init__(self, lookback_s: float) -> None:
+        self._lookback_s = lookback_s
+        self._last_seen: dict[str, float] = {}
+
+    def note(self, tenants: Iterable[str], now: float) -> int:
+        """Record `tenants` as active at `now`; returns how many tenants were active within the lookback."""
+        for tenant in tenants:
+            self._last_seen[tenant] = now
+        cutoff = now - self._lookback_s
+        # Forget the idle ones: the dict stays as small as the set of recently active tenants.
+        for tenant in [t for t, seen in self._last_seen.items() if seen < cutoff]:
+            del self._last_seen[tenant]
+        return len(self._last_seen)

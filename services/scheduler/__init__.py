@@ -6,7 +6,7 @@ sequencer), `policy` (packing + fairness).
 """
 
 from services.scheduler.ordering import Sequencer, StaleSeqIdError, UnorderedDedupe
-from services.scheduler.policy import FairPacker, PassPacer, SchedulerLimits, pick_sample_batch
+from services.scheduler.policy import FairPacker, PassCostModel, PassPacer, SchedulerLimits, pick_sample_batch
 from services.scheduler.requests import (
     Admission,
     BarrierPlan,
@@ -32,6 +32,7 @@ __all__ = [
     "Completion",
     "FairPacker",
     "ModelId",
+    "PassCostModel",
     "PassPacer",
     "PassPlan",
     "PassSegment",

@@ -1,27 +1,43 @@
 """Packing and fairness policy: which ready requests go into the next pass and the next sample batch.
 
-Pure decisions over values: no clock, no I/O, no knowledge of what a request computes. The only state is
-`FairPacker`'s per-tenant deficits, which is what makes fairness hold *across* passes.
+Pure decisions over values: no clock, no I/O, no knowledge of what a request computes. The state is
+`FairPacker`'s per-tenant deficits, which is what makes fairness hold *across* passes, and `PassCostModel`'s
+fit of how long passes take (durations are handed in by the scheduler).
 
 Fairness is weighted deficit round robin by tokens (Shreedhar & Varghese): every backlogged tenant earns
 `quantum_tokens * weight` per round and spends it on the tokens of the requests it sends, so over time
 tenants share passes in proportion to their weights whatever their request sizes; a tenant sending ten
 times the tokens gets no more than its share, and a small request waits at most a few rounds. The quantum
 of a pass is at most its token budget: a tenant's leftover credit then covers at most about one pass, so a
-newly backlogged tenant (credit 0) is not held back for many small paced passes.
+newly backlogged tenant (credit 0) is not held back for many small paced passes; and a tenant that missed
+the last pass gets its turn's quantum before others spend leftover credit, so it is not held back even
+from passes that fit one request.
 
-Latency: a running pass cannot be pre-empted, so a request that arrives mid-pass waits for it. With
-`max_pass_seconds`, `PassPacer` turns the measured throughput into a per-pass token budget that keeps
-passes about that long; that bounds the wait of a light tenant beside a heavy one.
+Latency: a running pass cannot be pre-empted, so a request that arrives mid-pass waits for it. While two or
+more tenants contend, `PassPacer` sizes passes from `PassCostModel` (a pass costs fixed + per-token time,
+fitted from observed passes) so that a pass takes about `pass_latency_factor` times what the smallest
+contending tenant's queued work takes alone; that bounds a light tenant's wait beside a heavy one in terms
+of its own latency. Where the fixed cost dominates (a GPU) passes stay large (thousands of tokens); where a pass
+costs time in proportion to its tokens (a CPU) passes shrink. `max_pass_seconds` overrides the target.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.requests import ModelId, QueuedRequest, TenantId
+
+DEFAULT_PASS_LATENCY_FACTOR = 1.5
+"""A latency multiple, not a machine constant. A light request that arrives just after a pass started waits it
+out and rides in the next, so its worst-case wait is about 2x this factor times its own pass; one arriving at
+a random point waits about 1.5x. Chosen with bench/fairness.py (docs/performance.md, "Fairness"): 1.5 kept
+the light tenant's median wait at 1.3-1.6x its wait alone; 4/3 at 1.2-1.3x, but with 21-25 % less
+throughput for the heavy tenant."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +56,20 @@ class SchedulerLimits:
     """Sampling requests in one batched generate call."""
     max_sample_batches_per_step: int = 1
     max_pass_seconds: float | None = None
-    """Keep each pass about this long while several tenants contend: the pass's token budget shrinks to what
-    the measured throughput runs in this time (never below one request). Bounds how long a tenant's request
-    waits for the pass that is running. None: passes fill `max_tokens_per_pass`."""
+    """Explicit pass-duration target while several tenants contend (overrides `pass_latency_factor`): the
+    pass's token budget shrinks to what the fitted pass cost runs in this time (never below one request).
+    None: the target follows `pass_latency_factor`."""
+    pass_latency_factor: float = DEFAULT_PASS_LATENCY_FACTOR
+    """While several tenants contend, keep a pass about this many times as long as the smallest contending
+    tenant's queued pass work takes alone (by the fitted pass cost), so a light tenant's wait stays within a
+    small multiple of its own latency. Above 1, the fixed part of a pass's cost lets others ride along: where
+    it dominates (a GPU) passes stay large. 0: off (passes fill `max_tokens_per_pass`, most packing)."""
 
     def __post_init__(self) -> None:
         if self.max_pass_seconds is not None and not self.max_pass_seconds > 0:
             raise ValueError(f"max_pass_seconds must be > 0, got {self.max_pass_seconds}")
+        if not self.pass_latency_factor >= 0:
+            raise ValueError(f"pass_latency_factor must be >= 0, got {self.pass_latency_factor}")
         for name in (
             "max_tokens_per_pass",
             "max_adapters_per_pass",
@@ -59,35 +82,138 @@ class SchedulerLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-class PassPacer:
-    """Turns a pass-duration target into a token budget, from the throughput of recent passes.
+class PassCostModel:
+    """A pass's duration as `fixed + per_token * tokens`, fitted to the last `window` passes.
 
-    The measured rate includes each pass's fixed cost, so the budget settles where a pass takes the target
-    time: a too-small budget runs fast, raises the measured rate and so the next budget.
+    Robust rather than least squares, because a shared machine now and then stalls a pass for many times its
+    usual time: the per-token cost is the median of the slopes between pairs of recent passes whose sizes
+    differ by at least `min_spread` (Theil-Sen, each pair weighted by how far apart its sizes are), the fixed
+    cost the median of what each pass took beyond its tokens. The first pass is not used (it pays for
+    warm-up). Fixed and per-token cost can only be told apart from passes of different sizes: until
+    `min_pairs` such pairs were seen there is no fit, and while recent passes are all alike the last slope is
+    kept (the fixed cost still follows, so a machine that gets slower still shows).
     """
 
-    def __init__(self, target_s: float | None, smoothing: float = 0.3) -> None:
-        self._target_s = target_s
-        self._smoothing = smoothing
-        self._tokens_per_s: float | None = None
+    def __init__(self, window: int = 24, min_spread: float = 0.25, min_pairs: int = 8) -> None:
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        self._passes: deque[tuple[int, float]] = deque(maxlen=window)
+        self._min_spread = min_spread
+        self._min_pairs = min_pairs
+        self._warm = False
+        self._slope: float | None = None
+        self._cost: tuple[float, float] | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A pass of `tokens` took `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if not self._warm:
+            self._warm = True
+            return
+        self._passes.append((tokens, seconds))
+        slope = self._pairwise_slope()
+        if slope is not None:
+            self._slope = slope
+        if self._slope is not None:
+            # A line through the origin at the most: a negative fixed cost is noise in the slope.
+            self._cost = max(0.0, statistics.median(t - self._slope * n for n, t in self._passes)), self._slope
+
+    def _pairwise_slope(self) -> float | None:
+        pairs = [((t2 - t1) / (n2 - n1), abs(n2 - n1))
+                 for (n1, t1), (n2, t2) in itertools.combinations(self._passes, 2)
+                 if abs(n2 - n1) >= self._min_spread * max(n1, n2)]
+        if len(pairs) < self._min_pairs:
+            return None
+        # Noise can make the slope negative; time does not fall with tokens, so clamp it.
+        return max(0.0, _weighted_median(pairs))
+
+    def cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token); None until passes of different sizes were seen."""
+        return self._cost
+
+    def estimate(self, tokens: int) -> float | None:
+        """Seconds a pass of `tokens` should take; None without a fit."""
+        cost = self._cost
+        return None if cost is None else cost[0] + cost[1] * tokens
+
+    def typical_tokens(self) -> int | None:
+        """The median size of recent passes; None before any."""
+        return int(statistics.median(n for n, _ in self._passes)) if self._passes else None
+
+
+def _weighted_median(values: Sequence[tuple[float, float]]) -> float:
+    """The median of (value, weight) pairs: pairs of passes far apart in size tell the slope best."""
+    ordered = sorted(values)
+    half, running = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        running += weight
+        if running >= half:
+            return value
+    return ordered[-1][0]
+
+
+class PassPacer:
+    """Turns contention into a per-pass token budget: the most tokens whose estimated pass fits the target.
+
+    The target is `max_pass_seconds` when set, else `latency_factor` times the estimated alone-time of the
+    smallest contending tenant's work. With cost `fixed + per_token * n` and factor f, a tenant whose work
+    is `n_min` tokens gets passes of `f * n_min + (f - 1) * fixed / per_token` tokens: on a GPU (fixed cost
+    dominant) thousands of tokens, in practice all that is queued; on a CPU (per-token dominant) a few
+    times `n_min`. Without a fit passes stay full, except that every `probe_every`-th contended pass starts
+    a probe (passes of half the usual size until one has run), so that the model sees the sizes it needs.
+    """
+
+    def __init__(self, max_pass_seconds: float | None, latency_factor: float,
+                 model: PassCostModel | None = None, probe_every: int = 8) -> None:
+        self._max_pass_s = max_pass_seconds
+        self._factor = latency_factor
+        self.model = model or PassCostModel()
+        self._probe_every = probe_every
+        self._unfitted_budgets = 0
+        self._probe: int | None = None
+        """The token budget of a probe under way."""
 
     @property
-    def tokens_per_s(self) -> float | None:
-        return self._tokens_per_s
+    def enabled(self) -> bool:
+        return self._max_pass_s is not None or self._factor > 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A pass of `tokens` took `seconds` (from dispatch to completion)."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        previous = self._tokens_per_s
-        self._tokens_per_s = rate if previous is None else previous + self._smoothing * (rate - previous)
+        self.model.observe(tokens, seconds)
+        if self._probe is not None and 0 < tokens <= self._probe:
+            self._probe = None
 
-    def budget(self, hard_limit: int) -> int:
-        """Tokens the next pass may hold (before the first measurement: the hard limit)."""
-        if self._target_s is None or self._tokens_per_s is None:
+    def target_s(self, smallest_work: int) -> float | None:
+        """How long a pass should take beside a tenant whose queued work is `smallest_work` tokens."""
+        if self._max_pass_s is not None:
+            return self._max_pass_s
+        alone_s = self.model.estimate(smallest_work)
+        return None if alone_s is None or not self._factor > 0 else self._factor * alone_s
+
+    def budget(self, hard_limit: int, smallest_work: int) -> int:
+        """Tokens the next contended pass may hold (unpaced: the hard limit). A first request larger than
+        the budget still runs, alone."""
+        if not self.enabled:
             return hard_limit
-        return max(1, min(hard_limit, int(self._tokens_per_s * self._target_s)))
+        cost, target = self.model.cost(), self.target_s(min(smallest_work, hard_limit))
+        if cost is None or target is None:
+            return self._unfitted_budget(hard_limit)
+        fixed, per_token = cost
+        if per_token <= 0:
+            return hard_limit if target >= fixed else 1
+        # The epsilon keeps f = 1 from rounding n_min down to n_min - 1.
+        return max(1, min(hard_limit, math.floor((target - fixed) / per_token + 1e-6)))
+
+    def _unfitted_budget(self, hard_limit: int) -> int:
+        """Full passes, and every so often a probe: half the usual size until a pass that small has run (a
+        probe planned when only a big request is queued runs at full size, and would teach nothing), for at
+        most `probe_every` passes (requests may all be too big to make one)."""
+        self._unfitted_budgets += 1
+        if not self._unfitted_budgets % self._probe_every:
+            typical = self.model.typical_tokens()
+            self._probe = None if self._probe is not None or typical is None else max(1, typical // 2)
+        return hard_limit if self._probe is None else min(hard_limit, self._probe)
 
 
 @dataclass
@@ -186,6 +312,8 @@ class FairPacker:
         self._forget_idle(lanes)
         room = _PassRoom(budget, limits.max_adapters_per_pass, hard)
         order = sorted(lanes, key=lambda t: (self._last_served.get(t, -1), t))
+        if order and self._last_served.get(order[0], -1) < self._passes:
+            self._grant_first_turn(order[0], lanes[order[0]], room)
         chosen: list[QueuedRequest] = []
         while order:
             order = [t for t in order if lanes[t].head(room) is not None]
@@ -218,6 +346,20 @@ class FairPacker:
             chosen.append(request)
             served = True
         return served
+
+    def _grant_first_turn(self, tenant: TenantId, lane: _Lane, room: _PassRoom) -> None:
+        """DRR grants a tenant its quantum when its turn comes, and the turn of the least recently served
+        tenant (called only when it missed the last pass) is first: if one quantum lets it send its head, it
+        gets that quantum now. Otherwise a tenant that just became backlogged (no credit) would let others
+        spend credit left from earlier passes first, and miss every pass too small for both (paced passes of
+        about one request)."""
+        found = lane.head(room)
+        if found is None:
+            return
+        need = found[1].num_tokens - self._deficits[tenant]
+        quantum = self._round_quantum * self.weight(tenant)
+        if 0 < need <= quantum:
+            self._deficits[tenant] += quantum
 
     def _top_up(self, order: list[TenantId], lanes: dict[TenantId, _Lane], room: _PassRoom) -> None:
         """Grant the fewest whole rounds of quantum after which some tenant can send its head.

@@ -12,9 +12,11 @@ Rules that keep per-model semantics while models share passes:
   flight, and while it is, nothing else of that model is planned; it never blocks other models.
 
 Passes are timed from dispatch (or the previous item's completion, as the loop runs items one by one) to
-`complete()`, which feeds the `PassPacer` behind `SchedulerLimits.max_pass_seconds`. Pacing applies only
-under contention (pass work of two or more tenants within `CONTENTION_WINDOW_S`): a tenant training alone
-keeps full passes.
+`complete()`, which feeds the pass cost model behind `PassPacer`. Pacing applies only under contention
+(pass work of two or more tenants within `CONTENTION_WINDOW_S`): a tenant training alone keeps full passes.
+The pace is set by the smallest contending tenant: its queued pass work (remembered while it waits for its
+next request) is what it would run alone, and `SchedulerLimits.pass_latency_factor` times that pass's
+estimated duration is the target (or `max_pass_seconds`, when set).
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ class Scheduler:
         self._sequencer = Sequencer(dedupe_window)
         self._sample_dedupe = UnorderedDedupe()
         self._packer = FairPacker(self.limits.quantum_tokens, tenant_weights)
-        self._pacer = PassPacer(self.limits.max_pass_seconds)
+        self._pacer = PassPacer(self.limits.max_pass_seconds, self.limits.pass_latency_factor)
         self._planned_at: dict[PlanItemId, float] = {}
-        self._pass_tenants_seen: dict[TenantId, float] = {}
+        self._pass_work: dict[TenantId, tuple[int, float]] = {}
+        """Per tenant with pass work lately: (its queued pass tokens when last seen with some, when)."""
         self._last_completed_at = float("-inf")
         self._ready: dict[ModelId, deque[QueuedRequest]] = {}
         self._samples: dict[TenantId, deque[QueuedRequest]] = {}
@@ -238,10 +241,11 @@ class Scheduler:
 
     def _plan_passes(self) -> tuple[PassPlan, ...]:
         passes: list[PassPlan] = []
-        for _ in range(self.limits.max_passes_per_step):
+        for i in range(self.limits.max_passes_per_step):
             runs = [run for run in self._pass_runs() if run]
-            budget = self._pass_budget(runs)
-            chosen = self._packer.pack(runs, self.limits, budget) if runs else []
+            if i == 0:
+                self._note_pass_work(runs)  # what each tenant has queued, before this step takes any
+            chosen = self._packer.pack(runs, self.limits, self._pass_budget()) if runs else []
             if not chosen:
                 break
             plan = PassPlan(self._new_item_id(), self._take_segments(chosen))
@@ -249,18 +253,24 @@ class Scheduler:
             passes.append(plan)
         return tuple(passes)
 
-    def _pass_budget(self, runs: list[list[QueuedRequest]]) -> int:
-        """The paced budget while tenants contend for passes, else the whole token budget."""
-        hard = self.limits.max_tokens_per_pass
-        if self.limits.max_pass_seconds is None:
-            return hard
+    def _note_pass_work(self, runs: list[list[QueuedRequest]]) -> None:
+        """Remember each tenant's queued pass tokens; forget tenants without pass work for a while."""
+        if not self._pacer.enabled:
+            return
         now = self._clock()
+        queued: Counter[TenantId] = Counter()
         for run in runs:
-            self._pass_tenants_seen[run[0].tenant_id] = now
-        self._pass_tenants_seen = {
-            t: at for t, at in self._pass_tenants_seen.items() if now - at <= CONTENTION_WINDOW_S
-        }
-        return self._pacer.budget(hard) if len(self._pass_tenants_seen) > 1 else hard
+            queued[run[0].tenant_id] += sum(r.num_tokens for r in run)
+        for tenant, tokens in queued.items():
+            self._pass_work[tenant] = (tokens, now)
+        self._pass_work = {t: seen for t, seen in self._pass_work.items() if now - seen[1] <= CONTENTION_WINDOW_S}
+
+    def _pass_budget(self) -> int:
+        """While tenants contend: the paced budget, set by the smallest one's work. Else the hard limit."""
+        hard = self.limits.max_tokens_per_pass
+        if len(self._pass_work) < 2:
+            return hard
+        return self._pacer.budget(hard, min(tokens for tokens, _ in self._pass_work.values()))
 
     def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
         """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""

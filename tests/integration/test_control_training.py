@@ -15,6 +15,7 @@ from services.control.api import (
     Failed,
     Invalid,
     ModelCreated,
+    NotFound,
     OptimStepDone,
     QuotaExceeded,
     SaveOptions,
@@ -194,3 +195,24 @@ def test_concurrent_submissions_on_sqlite(harness: Harness) -> None:
     for seq, request_id in by_seq.items():
         assert ids.count(request_id) == (3 if seq == 3 else 2)
         assert _loss(h.done(t, RequestId(request_id))) > 0
+
+
+def test_a_request_accepted_here_is_answered_without_the_log_then_forgotten(harness: Harness) -> None:
+    """Owner and kind of a just-submitted request come from `ControlContext.accepted` (no request-log read
+    on the SDK's first poll); once answered the entry goes, and later polls are answered from the log."""
+    h = harness
+    t, other = h.tenant("acme"), h.tenant("other")
+    model = h.run(h.control.create_model(t, h.session(t), 0, BASE, SPEC, None)).model_id
+    accepted = h.control.ctx.accepted
+    work = ForwardBackwardWork(None, [_datum(np.random.default_rng(6), 5)])
+    fb = h.run(h.control.forward_backward(t, model, 1, work))
+    entry = accepted.get(fb.request_id)
+    assert entry is not None and (entry.tenant_id, entry.kind) == (t.id, "forward_backward")
+    with pytest.raises(NotFound):  # the entry names its owner: another tenant still gets "not found"
+        h.run(h.control.retrieve(other, fb.request_id, 0.0))
+    first = h.done(t, fb.request_id)
+    assert accepted.get(fb.request_id) is None
+    assert _loss(h.done(t, fb.request_id)) == _loss(first)  # answered again, from the log and the store
+    with h.db.sessions.begin() as db:
+        row = get_request(db, TenantId(t.id), fb.request_id)
+        assert row is not None and row.status == "done" and row.pass_id and row.started_at is not None

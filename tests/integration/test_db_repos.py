@@ -218,6 +218,25 @@ def test_request_lifecycle(db: Session) -> None:
     assert len(request_log.list_requests(db, tenant_id, model_id=model_id)) == 2
 
 
+def test_finishing_without_a_running_report_records_pass_and_start(db: Session) -> None:
+    tenant_id = _tenant(db)
+    _, model_id = _run(db, tenant_id)
+    quick = request_log.record_request(db, tenant_id, "forward", model_id=model_id, seq_id=1, now=T0)
+    slow = request_log.record_request(db, tenant_id, "forward", model_id=model_id, seq_id=2, now=T0)
+    broken = request_log.record_request(db, tenant_id, "forward", model_id=model_id, seq_id=3, now=T0)
+    later = T0 + timedelta(seconds=5)
+    assert request_log.mark_request_done(db, tenant_id, quick.id, num_tokens=3, pass_id="p1", started_at=T0)
+    assert request_log.mark_request_running(db, tenant_id, slow.id, pass_id="p2", now=T0)
+    assert request_log.mark_request_done(db, tenant_id, slow.id, num_tokens=3, pass_id="p2", started_at=later)
+    assert request_log.mark_request_failed(db, tenant_id, broken.id, error="x", pass_id="p3", started_at=later)
+    assert not request_log.mark_request_running(db, tenant_id, quick.id, pass_id="p1")  # too late: no change
+    db.expire_all()
+    rows = {r.id: r for r in request_log.list_requests(db, tenant_id)}
+    assert (rows[quick.id].status, rows[quick.id].pass_id, rows[quick.id].started_at) == ("done", "p1", T0)
+    assert rows[slow.id].started_at == T0  # the running report's time stays
+    assert (rows[broken.id].status, rows[broken.id].pass_id, rows[broken.id].started_at) == ("failed", "p3", later)
+
+
 def test_duplicate_seq_id_on_a_model_is_rejected(database: Database) -> None:
     wipe_tables(database.engine)
     with database.sessions.begin() as db:

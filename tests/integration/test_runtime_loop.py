@@ -27,6 +27,7 @@ from services.domain.training import (
 )
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
 from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
+from services.runtime.loop import TenantActivity
 from services.scheduler import QueuedRequest, RequestId, RequestKind
 from services.scheduler.requests import ModelId, TenantId
 
@@ -243,3 +244,50 @@ def test_batch_window_collects_late_arrivals(window: float) -> None:
         assert passes == [[AdapterId("a"), AdapterId("b")]]
     else:
         assert sum(len(p) for p in passes) == 2
+
+
+def _window_rig(monkeypatch: pytest.MonkeyPatch, *, lookback_s: float | None = 1.0) -> tuple[Rig, list[float]]:
+    """A rig with a batch window whose waits are recorded instead of slept."""
+    rig = Rig()
+    rig.loop = SchedulerLoop(BASE, rig.backend, rig.queue, rig.results, rig.notifier,
+                             config=LoopConfig(batch_window_s=0.05, batch_window_lookback_s=lookback_s))
+    waits: list[float] = []
+    monkeypatch.setattr("services.runtime.loop.time.sleep", waits.append)
+    return rig, waits
+
+
+def test_a_lone_tenant_is_not_held_by_the_batch_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig, waits = _window_rig(monkeypatch)
+    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    rig.loop.run_once()
+    fb = rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.run_once()
+    assert waits == [] and isinstance(rig.result(fb), ForwardBackwardResult)
+
+
+def test_the_batch_window_applies_while_another_tenant_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig, waits = _window_rig(monkeypatch, lookback_s=3600.0)  # a lookback no slow machine can outlast
+    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    rig.loop.run_once()
+    assert waits == []
+    rig.put("b", RequestKind.CREATE, 0, CreateAdapter(ModelId("b"), AdapterId("b"), LoraSpec()), tenant="b")
+    rig.loop.run_once()  # b arrives while a was active within the lookback: wait for company
+    rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.run_once()
+    assert waits == [0.05, 0.05]
+
+
+def test_the_batch_window_always_applies_without_a_lookback(monkeypatch: pytest.MonkeyPatch) -> None:
+    rig, waits = _window_rig(monkeypatch, lookback_s=None)
+    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    rig.loop.run_once()
+    assert waits == [0.05]
+
+
+def test_tenant_activity_counts_tenants_within_the_lookback() -> None:
+    activity = TenantActivity(lookback_s=1.0)
+    assert activity.note(["a"], now=10.0) == 1
+    assert activity.note(["a"], now=10.5) == 1
+    assert activity.note(["b"], now=10.9) == 2
+    assert activity.note([], now=11.6) == 1  # a was last seen at 10.5
+    assert activity.note(["c", "c"], now=13.0) == 1  # b expired too; c counts once

@@ -51,6 +51,15 @@ class EngineConfig:
     dtype: str | None = None
     lora_strategy: str = "auto"
     """`auto`, `loop` or `grouped` (see worker/engine/lora.py)."""
+    micro_batch_tokens: int | None = None
+    """Tokens per packed pass when a call holds more (a datum longer than this runs alone); never above
+    `max_tokens_per_pass`. None: `max_tokens_per_pass` on an accelerator, `CPU_MICRO_BATCH_TOKENS` on CPU."""
+
+
+CPU_MICRO_BATCH_TOKENS = 512
+"""On CPU, passes of about 512 tokens ran fastest per token (SmolLM2-135M, fp32: 256 → 188, 512 → 202,
+1,024 → 194, 2,048 → 168 tokens/s; docs/performance.md): bigger activations fall out of the caches. On a
+GPU bigger passes are what keeps it busy, so there the pass budget is the only limit."""
 
 
 @dataclass
@@ -80,6 +89,7 @@ class Engine:
             tokenizer_path=str(tokenizer_path or model_dir), eos_token_ids=self.lm.eos_token_ids,
         )
         self.limits = ModelLimits(self.lm.vocab_size, self.lm.max_context, self.config.max_tokens_per_pass)
+        self.micro_batch_tokens = _micro_batch_tokens(self.config, self.lm.device)
         self._tokenizer = LazyTokenizer(self._info.tokenizer_path)  # loaded on the first stop string
 
     @property
@@ -157,7 +167,7 @@ class Engine:
 
     def _run_micro_batches(self, items: list[PackedItem]) -> dict[object, ItemOutput]:
         outputs: dict[object, ItemOutput] = {}
-        for batch in _cut(items, self.config.max_tokens_per_pass):
+        for batch in _cut(items, self.micro_batch_tokens):
             started = time.perf_counter()
             for item, out in zip(batch, run_packed_pass(self.lm, batch), strict=True):
                 outputs[item.key] = out
@@ -213,6 +223,13 @@ class Engine:
         with self._lock:
             self.slots.put(state)
         return state.spec
+
+
+def _micro_batch_tokens(config: EngineConfig, device: torch.device) -> int:
+    chosen = config.micro_batch_tokens
+    if chosen is None:
+        chosen = CPU_MICRO_BATCH_TOKENS if device.type == "cpu" else config.max_tokens_per_pass
+    return max(1, min(chosen, config.max_tokens_per_pass))
 
 
 def _cut(items: list[PackedItem], budget: int) -> list[list[PackedItem]]:

@@ -41,6 +41,8 @@ class WorkerSpec:
     num_gpus: float = 0.0
     max_resident_adapters: int = 64
     max_tokens_per_pass: int = 8192
+    micro_batch_tokens: int | None = None
+    """Tokens per packed pass (see `EngineConfig.micro_batch_tokens`); None: the engine's choice for its device."""
     device: str | None = None
     dtype: str | None = None
 

@@ -58,5 +58,6 @@ class ReplicaHost:
         spill = Path(config.data_dir) / "spill" / safe_component(spec.name) / self.replica_id
         engine_config = EngineConfig(max_tokens_per_pass=spec.max_tokens_per_pass,
                                      max_resident_adapters=spec.max_resident_adapters, spill_dir=spill,
-                                     device=spec.device, dtype=spec.dtype)
+                                     device=spec.device, dtype=spec.dtype,
+                                     micro_batch_tokens=spec.micro_batch_tokens)
         return Engine(path, name=spec.name, config=engine_config)
