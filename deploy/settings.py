@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.db.engine import database_url_for_data_dir, normalize_database_url
-from services.scheduler.policy import DEFAULT_PASS_LATENCY_FACTOR
+from services.scheduler.pacing import DEFAULT_PASS_LATENCY_FACTOR
 
 DEFAULT_BASE_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m"]
 

@@ -6,7 +6,8 @@ sequencer), `policy` (packing + fairness).
 """
 
 from services.scheduler.ordering import Sequencer, StaleSeqIdError, UnorderedDedupe
-from services.scheduler.policy import FairPacker, PassCostModel, PassPacer, SchedulerLimits, pick_sample_batch
+from services.scheduler.pacing import PassCostModel, PassPacer
+from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
 from services.scheduler.requests import (
     Admission,
     BarrierPlan,

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from services.domain.training import WorkError
 from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
-from services.scheduler.policy import FairPacker, PassPacer, SchedulerLimits, pick_sample_batch
+from services.scheduler.pacing import PassPacer
+from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
 from services.scheduler.requests import (
     Admission,
     BarrierPlan,

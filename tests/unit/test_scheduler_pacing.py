@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.scheduler import PassCostModel, PassPacer, SchedulerLimits
-from services.scheduler.policy import DEFAULT_PASS_LATENCY_FACTOR
+from services.scheduler.pacing import DEFAULT_PASS_LATENCY_FACTOR
 
 CPU = (0.002, 0.0003)
 """(fixed s, s per token): a pass costs mostly per token (compute-bound on a few CPU cores)."""
