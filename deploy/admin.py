@@ -7,10 +7,13 @@ to the caller to print once; nothing here logs a key.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from deploy.settings import ServiceSettings
 from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key, issue_api_key
@@ -57,6 +60,25 @@ def open_admin_database(settings: ServiceSettings) -> Database:
     return open_database(url, migrate=is_sqlite(url))
 
 
+@contextmanager
+def admin_transaction(settings: ServiceSettings) -> Iterator[Session]:
+    """One transaction on the configured database, which is opened for it and closed after."""
+    db = open_admin_database(settings)
+    try:
+        with db.sessions.begin() as session:
+            yield session
+    finally:
+        db.dispose()
+
+
+def _named_tenant(session: Session, tenant: str) -> TenantRow:
+    """The tenant with this name (or id); an `AdminError` that says how to find one if there is none."""
+    row = get_tenant_by_name(session, tenant) or get_tenant(session, TenantId(tenant))
+    if row is None:
+        raise AdminError(f"no tenant named {tenant!r}; see `carpool tenants list`")
+    return row
+
+
 def migrate(settings: ServiceSettings) -> str:
     """Upgrade the configured database to the newest schema; returns that revision."""
     url = settings.resolved_database_url()
@@ -68,15 +90,12 @@ def migrate(settings: ServiceSettings) -> str:
 
 def create_tenant(settings: ServiceSettings, name: str, *, is_admin: bool = False,
                   max_models: int | None = None) -> tuple[Tenant, IssuedKey]:
-    db = open_admin_database(settings)
     try:
-        with db.sessions.begin() as session:
+        with admin_transaction(settings) as session:
             return create_tenant_with_key(session, name, is_admin=is_admin,
                                           quotas=TenantQuotas(max_models=max_models))
     except ConflictError as exc:
         raise AdminError(str(exc)) from exc
-    finally:
-        db.dispose()
 
 
 def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) -> tuple[str, TenantQuotas]:
@@ -91,61 +110,41 @@ def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) ->
     negative = [name for name, value in changes.items() if value is not None and value < 0]
     if negative:
         raise AdminError(f"{negative[0]} must be >= 0 (0 removes the limit)")
-    db = open_admin_database(settings)
-    try:
-        with db.sessions.begin() as session:
-            row = get_tenant_by_name(session, tenant) or get_tenant(session, TenantId(tenant))
-            if row is None:
-                raise AdminError(f"no tenant named {tenant!r}; see `carpool tenants list`")
-            current = asdict(tenant_quotas(row))
-            merged = {k: (v if changes.get(k) is None else (changes[k] or None)) for k, v in current.items()}
-            quotas = TenantQuotas(**merged)
-            set_tenant_quotas(session, TenantId(row.id), quotas)
-            return row.name, quotas
-    finally:
-        db.dispose()
+    with admin_transaction(settings) as session:
+        row = _named_tenant(session, tenant)
+        current = asdict(tenant_quotas(row))
+        merged = {k: (v if changes.get(k) is None else (changes[k] or None)) for k, v in current.items()}
+        quotas = TenantQuotas(**merged)
+        set_tenant_quotas(session, TenantId(row.id), quotas)
+        return row.name, quotas
 
 
 def tenant_summaries(settings: ServiceSettings) -> list[TenantSummary]:
-    db = open_admin_database(settings)
-    try:
-        with db.sessions.begin() as session:
-            live = dict(session.execute(
-                select(ApiKeyRow.tenant_id, func.count()).where(ApiKeyRow.revoked_at.is_(None))
-                .group_by(ApiKeyRow.tenant_id)
-            ).all())
-            return [_summary(row, int(live.get(row.id, 0))) for row in list_tenants(session, limit=1000)]
-    finally:
-        db.dispose()
+    with admin_transaction(settings) as session:
+        live = dict(session.execute(
+            select(ApiKeyRow.tenant_id, func.count()).where(ApiKeyRow.revoked_at.is_(None))
+            .group_by(ApiKeyRow.tenant_id)
+        ).all())
+        return [_summary(row, int(live.get(row.id, 0))) for row in list_tenants(session, limit=1000)]
 
 
 def create_key(settings: ServiceSettings, tenant: str) -> tuple[str, IssuedKey]:
     """A new key for the tenant named (or with the id) `tenant`; returns (tenant name, key)."""
-    db = open_admin_database(settings)
-    try:
-        with db.sessions.begin() as session:
-            row = get_tenant_by_name(session, tenant) or get_tenant(session, TenantId(tenant))
-            if row is None:
-                raise AdminError(f"no tenant named {tenant!r}; see `carpool tenants list`")
-            return row.name, issue_api_key(session, TenantId(row.id), label="cli")
-    finally:
-        db.dispose()
+    with admin_transaction(settings) as session:
+        row = _named_tenant(session, tenant)
+        return row.name, issue_api_key(session, TenantId(row.id), label="cli")
 
 
 def revoke_keys(settings: ServiceSettings, prefix: str) -> int:
     """Revoke every live key whose display prefix is `prefix`; returns how many."""
-    db = open_admin_database(settings)
-    try:
-        with db.sessions.begin() as session:
-            owners = session.scalars(
-                select(ApiKeyRow.tenant_id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
-            ).all()
-            if not owners:
-                raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
-                                 "key (e.g. tml-AbCdEfGh)")
-            return sum(revoke_api_keys_by_prefix(session, TenantId(t), prefix) for t in set(owners))
-    finally:
-        db.dispose()
+    with admin_transaction(settings) as session:
+        owners = session.scalars(
+            select(ApiKeyRow.tenant_id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
+        ).all()
+        if not owners:
+            raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
+                             "key (e.g. tml-AbCdEfGh)")
+        return sum(revoke_api_keys_by_prefix(session, TenantId(t), prefix) for t in set(owners))
 
 
 def bootstrap_admin(db: Database, out: TextIO) -> bool:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
 from deploy.cluster_commands import register as register_cluster_commands
 from deploy.commands import register as register_service_commands
+from deploy.options import fail
 
 app = typer.Typer(no_args_is_help=True, help="Carpool: multi-tenant LoRA training on a shared base model.")
 
@@ -43,7 +43,7 @@ def dev_model(
     try:
         out = build_dev_model(path, layers=layers, hidden=hidden, vocab=vocab, seed=seed)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(str(out))
 
 
@@ -61,13 +61,10 @@ def fetch_model(
     try:
         out = resolve_model_source(source, cache_dir or default_cache_dir())
     except ModelSourceError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(str(out))
 
 
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
 
 
 app.command("dev-model")(dev_model)

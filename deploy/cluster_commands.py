@@ -8,31 +8,18 @@ gateway alone) lives with `serve` in `deploy.commands`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 
+from deploy.options import fail, settings_from_options
 from deploy.settings import ClusterSettings
 
 cluster_app = typer.Typer(no_args_is_help=True, help="Run Carpool as a cluster (Ray workers, schedulers, gateway).")
 
 
 def cluster_settings(**overrides: Any) -> ClusterSettings:
-    """Settings from the environment, with the options the user actually passed on top."""
-    from pydantic import ValidationError
-
-    from deploy.embedded import install_key_redaction
-
-    install_key_redaction()
-    try:
-        return ClusterSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        _fail(f"invalid settings: {exc}")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
+    return settings_from_options(ClusterSettings, **overrides)
 
 
 def _run(action: Any, *args: Any) -> None:
@@ -41,7 +28,7 @@ def _run(action: Any, *args: Any) -> None:
     try:
         action(*args)
     except StartupError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @cluster_app.command("up")

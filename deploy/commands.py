@@ -9,10 +9,11 @@ the output, alone, so scripts can take it with `tail -n 1`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 
+from deploy.options import fail, settings_from_options
 from deploy.settings import ServiceSettings
 
 DATA_DIR_HELP = "State directory (database, checkpoints) [env: CARPOOL_DATA_DIR; default: ./data]."
@@ -26,21 +27,7 @@ def _data_dir_option() -> Any:
 
 
 def _settings(**overrides: Any) -> ServiceSettings:
-    """Settings from the environment, with the options the user actually passed on top."""
-    from pydantic import ValidationError
-
-    from deploy.embedded import install_key_redaction
-
-    install_key_redaction()
-    try:
-        return ServiceSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        _fail(f"invalid settings: {exc}")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
+    return settings_from_options(ServiceSettings, **overrides)
 
 
 def serve(
@@ -68,12 +55,12 @@ def serve(
         serve_cluster_gateway(overrides)
         return
     if mode != "embedded":
-        _fail(f"--mode must be embedded or cluster, got {mode!r}")
+        fail(f"--mode must be embedded or cluster, got {mode!r}")
     settings = _settings(**overrides)
     try:
         run_service(settings)
     except StartupError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def migrate(data_dir: Path | None = _data_dir_option()) -> None:
@@ -98,7 +85,7 @@ def tenants_create(
         settings = _settings(data_dir=data_dir)
         tenant, issued = create_tenant(settings, name, is_admin=admin, max_models=max_models)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     role = "admin tenant" if tenant.is_admin else "tenant"
     typer.echo(f"created {role} {tenant.name} ({tenant.id}); its API key is shown this once:")
     typer.echo(issued.key)
@@ -119,7 +106,7 @@ def tenants_set_quota(
         tenant, quotas = set_quotas(_settings(data_dir=data_dir), name, tokens_per_minute=tokens_per_minute,
                                     max_concurrent_requests=max_concurrent, max_models=max_models)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
     def shown(value: int | None) -> str:
         return "unlimited" if value is None else str(value)
@@ -154,7 +141,7 @@ def keys_create(
     try:
         name, issued = create_key(_settings(data_dir=data_dir), tenant)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"new API key for {name} (prefix {issued.prefix}); it is shown this once:")
     typer.echo(issued.key)
 
@@ -170,7 +157,7 @@ def keys_revoke(
     try:
         count = revoke_keys(_settings(data_dir=data_dir), key_prefix)
     except AdminError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"revoked {count} key{'s' if count != 1 else ''}")
 
 

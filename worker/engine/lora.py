@@ -147,13 +147,16 @@ class GroupedLoraDelta(torch.autograd.Function):
         needs = ctx.needs_input_grad
         count = len(ranks)
         grad_S_L_out = grad_S_L_out.contiguous()
-        grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(scale_S_1_1)
-        grad_x = torch.bmm(grad_h, a_S_R_in) if needs[0] else None
+        grad_x: torch.Tensor | None = None
         grads_a: list[torch.Tensor | None] = [None] * count
         grads_b: list[torch.Tensor | None] = [None] * count
-        if any(needs[3 : 3 + count]):
-            grad_a = torch.bmm(grad_h.transpose(1, 2), x_S_L_in)
-            grads_a = [grad_a[i, :r] if needs[3 + i] else None for i, r in enumerate(ranks)]
+        needs_a = any(needs[3 : 3 + count])
+        if needs[0] or needs_a:  # both go through the gradient of the low-rank activations
+            grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(scale_S_1_1)
+            grad_x = torch.bmm(grad_h, a_S_R_in) if needs[0] else None
+            if needs_a:
+                grad_a = torch.bmm(grad_h.transpose(1, 2), x_S_L_in)
+                grads_a = [grad_a[i, :r] if needs[3 + i] else None for i, r in enumerate(ranks)]
         if any(needs[3 + count :]):
             grad_b = torch.bmm(grad_S_L_out.transpose(1, 2), h_S_L_R)
             grads_b = [grad_b[i, :, :r] if needs[3 + count + i] else None for i, r in enumerate(ranks)]
