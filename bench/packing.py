@@ -8,8 +8,9 @@ Two regimes, each run three ways in the same process (forward_backward + optim_s
     small  tiny Qwen3 (hidden 256, 4 layers), 8 adapters x 1 sequence x 32 tokens (RL regime)
     large  SmolLM2-135M, 8 adapters x 2 sequences x 256 tokens (compute-bound regime)
 
-The three ways are interleaved round by round so drift on a shared machine hits them equally; each
-figure is the median over rounds. The last line is machine-readable:
+The three ways are interleaved round by round (order alternating) so drift on a shared machine hits them
+equally; times are medians over rounds, ratios medians of the per-round (paired) ratios.
+The last line is machine-readable:
 RESULT small_packed_vs_one_per_pass=X large_packed_vs_one_per_pass=X small_packed_vs_single=X
 large_packed_vs_single=X
 """
@@ -54,6 +55,8 @@ class Regime:
 class Measured:
     seconds: float
     tokens: int
+    rounds: list[float]
+    """Seconds per step in each round, in round order (for paired ratios)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,6 +96,7 @@ def run_regime(regime: Regime, config: EngineConfig, rank: int) -> dict[str, Mea
     for i in range(regime.adapters):
         engine.create_adapter(AdapterId(f"tenant-{i}"), LoraSpec(rank=rank, seed=i))
     engine.create_adapter(AdapterId("single"), LoraSpec(rank=rank, seed=99))
+    rss_per_adapter = (_rss_bytes() - rss_before) / (regime.adapters + 1)
     rng = np.random.default_rng(0)
     vocab = engine.info.vocab_size
     data = [[_datum(rng, vocab, regime.seq_len) for _ in range(regime.seqs_per_adapter)]
@@ -103,7 +107,6 @@ def run_regime(regime: Regime, config: EngineConfig, rank: int) -> dict[str, Mea
         fn()
     _sync()
     per_adapter = engine.adapter(AdapterId("tenant-0")).num_bytes()
-    rss_per_adapter = (_rss_bytes() - rss_before) / (regime.adapters + 1)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(regime.rounds):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))
@@ -113,7 +116,15 @@ def run_regime(regime: Regime, config: EngineConfig, rank: int) -> dict[str, Mea
             _sync()
             times[name].append(time.perf_counter() - started)
     _print_regime(regime, engine, per_adapter, rss_per_adapter)
-    return {k: Measured(statistics.median(v), tokens) for k, v in times.items()}
+    print(f"[{regime.name}] process RSS after the runs: {_rss_bytes() / 2**20:.0f} MiB (model, adapters, and the "
+          f"activation memory a CPU engine keeps for reuse between passes)")
+    return {k: Measured(statistics.median(v), tokens, v) for k, v in times.items()}
+
+
+def paired_ratio(faster: Measured, slower: Measured) -> float:
+    """Throughput ratio faster ÷ slower as the median of per-round ratios: the two ran back to back in
+    each round, so slow drift on a shared machine cancels within a pair instead of between medians."""
+    return statistics.median(s / f for f, s in zip(faster.rounds, slower.rounds, strict=True))
 
 
 def _print_regime(regime: Regime, engine: Engine, per_adapter: int, rss_per_adapter: float) -> None:
@@ -122,7 +133,8 @@ def _print_regime(regime: Regime, engine: Engine, per_adapter: int, rss_per_adap
           f"device={engine.lm.device} dtype={engine.lm.dtype} adapters={regime.adapters} "
           f"x {regime.seqs_per_adapter} seq x {regime.seq_len} tok, passes of <= {engine.micro_batch_tokens} tokens")
     print(f"[{regime.name}] memory per extra resident adapter: {per_adapter / 2**20:.2f} MiB "
-          f"(LoRA factors + AdamW moments); process RSS grew {rss_per_adapter / 2**20:.2f} MiB per adapter")
+          f"(LoRA factors + AdamW moments, created on first step); creating the adapters grew process RSS by "
+          f"{rss_per_adapter / 2**20:.2f} MiB each (factors in bank rows)")
 
 
 def _report(regime: Regime, measured: dict[str, Measured], n_params: int, device: str) -> None:
@@ -165,8 +177,8 @@ def _large_model(source: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--regimes", default="small,large")
-    parser.add_argument("--rounds-small", type=int, default=15)
-    parser.add_argument("--rounds-large", type=int, default=3)
+    parser.add_argument("--rounds-small", type=int, default=40)
+    parser.add_argument("--rounds-large", type=int, default=4)
     parser.add_argument("--large-model", default="smollm2-135m", help="any base-model source")
     parser.add_argument("--small-hidden", type=int, default=256)
     parser.add_argument("--small-layers", type=int, default=4)
@@ -198,12 +210,11 @@ def main() -> None:
             device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
             n_params = _param_count(regime.model_dir)
             _report(regime, measured, n_params, device)
-            ratios[f"{name}_packed_vs_one_per_pass"] = (measured["packed"].tokens_per_s
-                                                        / measured["one_per_pass"].tokens_per_s)
-            ratios[f"{name}_packed_vs_single"] = measured["packed"].tokens_per_s / measured["single"].tokens_per_s
+            ratios[f"{name}_packed_vs_one_per_pass"] = paired_ratio(measured["packed"], measured["one_per_pass"])
+            ratios[f"{name}_packed_vs_single"] = paired_ratio(measured["packed"], measured["single"])
             # The room packing has on this machine: one adapter batching everything vs one pass per tenant.
             # packed / one_per_pass can reach it only if multi-tenancy cost nothing (packed / single = 1).
-            room = measured["single"].tokens_per_s / measured["one_per_pass"].tokens_per_s
+            room = paired_ratio(measured["single"], measured["one_per_pass"])
             print(f"[{name}] room: single / one_per_pass = {room:.2f} (the ceiling of packed / one_per_pass)")
     keys = [f"{r}_{k}" for k in ("packed_vs_one_per_pass",) for r in ("small", "large")]
     keys += [f"{r}_packed_vs_single" for r in ("small", "large")]

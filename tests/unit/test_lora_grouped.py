@@ -27,7 +27,7 @@ def test_gradcheck_mixed_ranks_and_detached_factors() -> None:
     factors = _factors(ranks, n_in=5, n_out=6, dtype=torch.float64, train=train)
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     scale = torch.tensor([2.0, 0.5, 1.5], dtype=torch.float64)[:, None, None]
-    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, scale, max(ranks), *f),
+    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, scale, max(ranks), None, *f),
                                     (x, *factors))
 
 

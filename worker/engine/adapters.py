@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from torch import nn
 from services.domain.training import AdapterId, LoraSpec
 from worker.engine.lora import MultiLoraLinear, iter_targets, target_suffixes
 from worker.engine.passes import LoraWeights
+
+if TYPE_CHECKING:
+    from worker.engine.banks import BankPlacement
 
 
 @dataclass
@@ -38,15 +42,19 @@ class AdapterState:
     optimizer: OptimizerState = field(default_factory=OptimizerState)
     pending_grad_passes: int = 0
     """forward_backward calls accumulated since the last optim_step."""
+    placement: BankPlacement | None = None
+    """The bank row its factors live in while resident (worker/engine/banks.py); None: private tensors."""
 
     def layer_weights(self, *, trainable: bool) -> dict[str, LoraWeights]:
         """The factors per layer name for a pass plan; detached when this pass must not train them."""
         out: dict[str, LoraWeights] = {}
+        banks = self.placement.layers if self.placement is not None else {}
+        slot = self.placement.slot if self.placement is not None else -1
         for name in self.layer_names():
             a, b = self.params[f"{name}.lora_A"], self.params[f"{name}.lora_B"]
             if not trainable:
                 a, b = a.detach(), b.detach()
-            out[name] = LoraWeights(a, b, self.spec.scale)
+            out[name] = LoraWeights(a, b, self.spec.scale, banks.get(name), slot)
         return out
 
     def layer_names(self) -> list[str]:
@@ -68,6 +76,8 @@ class AdapterState:
 
     def to(self, device: torch.device | str) -> None:
         """Move factors, gradients and optimizer moments (used to spill to host and bring back)."""
+        if self.placement is not None:
+            raise RuntimeError("adapter still lives in a bank row: release it (AdapterBanks.release) first")
         for key, p in list(self.params.items()):
             moved = nn.Parameter(p.detach().to(device), requires_grad=True)
             if p.grad is not None:

@@ -31,7 +31,9 @@ from services.domain.training import (
 )
 from services.domain.validation import InvalidWork, ModelLimits, validate_forward_backward
 from worker.engine.adapters import AdapterState, new_adapter
+from worker.engine.banks import order_key
 from worker.engine.checkpoints import build_adapter, read_checkpoint, snapshot, write_checkpoint
+from worker.engine.host_memory import keep_freed_memory
 from worker.engine.model import LoadedModel, load_base_model
 from worker.engine.optim import adamw_step
 from worker.engine.packed import ItemOutput, PackedItem, run_packed_pass
@@ -54,6 +56,8 @@ class EngineConfig:
     micro_batch_tokens: int | None = None
     """Tokens per packed pass when a call holds more (a datum longer than this runs alone); never above
     `max_tokens_per_pass`. None: `max_tokens_per_pass` on an accelerator, `CPU_MICRO_BATCH_TOKENS` on CPU."""
+    keep_freed_host_memory: bool = True
+    """On CPU, keep freed memory in the process for the next pass (worker/engine/host_memory.py)."""
 
 
 CPU_MICRO_BATCH_TOKENS = 512
@@ -90,6 +94,8 @@ class Engine:
         )
         self.limits = ModelLimits(self.lm.vocab_size, self.lm.max_context, self.config.max_tokens_per_pass)
         self.micro_batch_tokens = _micro_batch_tokens(self.config, self.lm.device)
+        if self.lm.device.type == "cpu" and self.config.keep_freed_host_memory:
+            keep_freed_memory()
         self._tokenizer = LazyTokenizer(self._info.tokenizer_path)  # loaded on the first stop string
 
     @property
@@ -145,13 +151,13 @@ class Engine:
         return runnable
 
     def _items(self, works: Sequence[ForwardBackwardWork], runnable: list[int]) -> list[PackedItem]:
-        """Datums grouped by adapter (first-seen order) so each adapter is one contiguous segment."""
+        """Datums grouped by adapter so each adapter is one contiguous segment, adapters in bank order (a
+        grouped pass then reads their factors as consecutive bank rows, without copying them)."""
         pinned = {works[i].adapter_id for i in runnable if works[i].adapter_id is not None}
         trains = {works[i].adapter_id for i in runnable if not works[i].forward_only}
-        weights = {}
-        for aid in pinned:
-            state = self.slots.get(aid, pinned=pinned)
-            weights[aid] = state.layer_weights(trainable=aid in trains)
+        # Every adapter resident first: bringing one back may move others' rows (a bank growing).
+        states = {aid: self.slots.get(aid, pinned=pinned) for aid in pinned}
+        weights = {aid: state.layer_weights(trainable=aid in trains) for aid, state in states.items()}
         by_adapter: dict[object, list[PackedItem]] = {}
         for i in runnable:
             work = works[i]
@@ -163,7 +169,8 @@ class Engine:
                 by_adapter.setdefault(work.adapter_id, []).append(item)
         for aid in trains:
             self.slots.get(aid).pending_grad_passes += 1
-        return [item for group in by_adapter.values() for item in group]
+        ordered = sorted(by_adapter, key=lambda aid: order_key(states[aid]) if aid is not None else (-1, 0))
+        return [item for aid in ordered for item in by_adapter[aid]]
 
     def _run_micro_batches(self, items: list[PackedItem]) -> dict[object, ItemOutput]:
         outputs: dict[object, ItemOutput] = {}

@@ -10,6 +10,9 @@ Two ways to compute the deltas, same result:
   so every adapter's product is one batched GEMM (`bmm`) pair: a handful of ops whatever the number
   of tenants, wasting only the padding. With many small segments (the RL regime) per-op overhead
   dominates, which is what grouping removes. `auto` picks per layer and pass with a small cost model.
+  Resident adapters' factors already live stacked in banks (worker/engine/banks.py): adapters in
+  consecutive bank rows are read as a view, others with one gather; only adapters from different
+  banks (ranks) are copied together.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: 
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
         x_S_L_in = x_ext[layout.gather]
     factors = [w.A for _, w in entries] + [w.B for _, w in entries]
-    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout.scale, layout.rank, *factors)
+    stacks = _bank_stacks([w for _, w in entries], layout)
+    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout.scale, layout.rank, stacks, *factors)
     if layout.uniform:
         return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
@@ -130,10 +134,13 @@ class GroupedLoraDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, scale_S_1_1: torch.Tensor,
-                rank: int, *factors: torch.Tensor) -> torch.Tensor:
+                rank: int, stacks: tuple[torch.Tensor, torch.Tensor] | None, *factors: torch.Tensor) -> torch.Tensor:
+        # `factors` are the autograd inputs (each adapter's leaves); `stacks`, when given, hold the same
+        # values already stacked (rows of the adapters' bank), so nothing needs copying together here.
         count = len(factors) // 2
-        a_S_R_in = _stack(list(factors[:count]), rank, dim=0)
-        b_S_out_R = _stack(list(factors[count:]), rank, dim=1)
+        if stacks is None:
+            stacks = (_stack(list(factors[:count]), rank, dim=0), _stack(list(factors[count:]), rank, dim=1))
+        a_S_R_in, b_S_out_R = stacks
         h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S_1_1)
         ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R, scale_S_1_1)
         ctx.ranks = [f.shape[0] for f in factors[:count]]
@@ -150,17 +157,45 @@ class GroupedLoraDelta(torch.autograd.Function):
         grad_x: torch.Tensor | None = None
         grads_a: list[torch.Tensor | None] = [None] * count
         grads_b: list[torch.Tensor | None] = [None] * count
-        needs_a = any(needs[3 : 3 + count])
+        needs_a = any(needs[_FACTORS : _FACTORS + count])
         if needs[0] or needs_a:  # both go through the gradient of the low-rank activations
             grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(scale_S_1_1)
             grad_x = torch.bmm(grad_h, a_S_R_in) if needs[0] else None
             if needs_a:
                 grad_a = torch.bmm(grad_h.transpose(1, 2), x_S_L_in)
-                grads_a = [grad_a[i, :r] if needs[3 + i] else None for i, r in enumerate(ranks)]
-        if any(needs[3 + count :]):
+                grads_a = _per_adapter(grad_a, ranks, needs[_FACTORS : _FACTORS + count], rank_dim=1)
+        if any(needs[_FACTORS + count :]):
             grad_b = torch.bmm(grad_S_L_out.transpose(1, 2), h_S_L_R)
-            grads_b = [grad_b[i, :, :r] if needs[3 + count + i] else None for i, r in enumerate(ranks)]
-        return (grad_x, None, None, *grads_a, *grads_b)
+            grads_b = _per_adapter(grad_b, ranks, needs[_FACTORS + count :], rank_dim=2)
+        return (grad_x, None, None, None, *grads_a, *grads_b)
+
+
+def _per_adapter(stacked: torch.Tensor, ranks: list[int], needs: tuple[bool, ...],
+                 rank_dim: int) -> list[torch.Tensor | None]:
+    """Each adapter's gradient as a view of the stacked one, its rank padding cut off (None if not needed)."""
+    if all(r == stacked.shape[rank_dim] for r in ranks):
+        views = stacked.unbind(0)  # one call for all views: with many tenants, per-view indexing adds up
+        return [v if need else None for v, need in zip(views, needs, strict=True)]
+    return [stacked[i].narrow(rank_dim - 1, 0, r) if need else None
+            for i, (r, need) in enumerate(zip(ranks, needs, strict=True))]
+
+
+_FACTORS = 4
+"""Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, scale, rank, stacks, *factors)."""
+
+
+def _bank_stacks(weights: list[LoraWeights], layout: _Layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The segments' factors straight from their shared bank: a view when their rows are consecutive,
+    otherwise one gather. None when they are not all in one bank (the caller stacks them)."""
+    bank = weights[0].bank
+    if bank is None or any(w.bank is not bank for w in weights):
+        return None
+    first = weights[0].slot
+    if all(w.slot == first + i for i, w in enumerate(weights)):
+        return bank.A[first : first + len(weights)], bank.B[first : first + len(weights)]
+    if layout.slots is None:
+        layout.slots = torch.tensor([w.slot for w in weights], device=bank.A.device)
+    return bank.A.index_select(0, layout.slots), bank.B.index_select(0, layout.slots)
 
 
 def _stack(factors: list[torch.Tensor], rank: int, dim: int) -> torch.Tensor:
@@ -193,11 +228,13 @@ class _Layout:
         self.uniform = self.covers_all and len(set(lengths)) == 1
         dtype = entries[0][1].A.dtype
         self.scale = torch.tensor([w.scale for _, w in entries], dtype=dtype, device=device)[:, None, None]
+        self.slots: torch.Tensor | None = None
+        """Bank rows of the segments' adapters, built on first use (see `_bank_stacks`)."""
 
 
 def _layout(plan: PassPlan, entries: list[tuple[Segment, LoraWeights]], tokens: int,
             device: torch.device) -> _Layout:
-    key = tuple((s.start, s.end, w.A.shape[0], w.scale) for s, w in entries)
+    key = tuple((s.start, s.end, w.A.shape[0], w.scale, w.slot) for s, w in entries)
     layout = plan.layouts.get(key)
     if layout is None:
         layout = _Layout(entries, tokens, device)

@@ -23,13 +23,15 @@ def adamw_step(adapter: AdapterState, hp: AdamParams) -> dict[str, float]:
     The global gradient norm is computed only when clipping needs it: it is a full extra read of the
     gradients, a cost every tenant would pay on every step for a metric.
     """
-    names = [k for k in sorted(adapter.params) if adapter.params[k].grad is not None]
+    # `.grad` read once per parameter: with many tenants this bookkeeping is a visible part of the step.
+    with_grads = [(k, p, g) for k, p in sorted(adapter.params.items()) if (g := p.grad) is not None]
     metrics = {"learning_rate:mean": hp.learning_rate}
-    if not names:
+    if not with_grads:
         adapter.zero_grad()
         return metrics
-    params = [adapter.params[n] for n in names]
-    grads = [p.grad for p in params]
+    names = [k for k, _, _ in with_grads]
+    params = [p for _, p, _ in with_grads]
+    grads = [g for _, _, g in with_grads]
     state = adapter.optimizer
     state.step += 1
     m, v = _moments(state.exp_avg, names, params), _moments(state.exp_avg_sq, names, params)

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass
+class LayerBank:
+    """One layer's factors of every adapter in a bank (worker/engine/banks.py), stacked row by row."""
+
+    A: torch.Tensor
+    """(rows, rank, in_features)"""
+    B: torch.Tensor
+    """(rows, out_features, rank)"""
+
+
 @dataclass(frozen=True)
 class LoraWeights:
     """One adapter's LoRA factors for one linear layer: delta = scale * (x @ A.T) @ B.T."""
@@ -23,6 +33,10 @@ class LoraWeights:
     B: torch.Tensor
     """(out_features, rank)"""
     scale: float
+    bank: LayerBank | None = None
+    """The stack `A` and `B` are row `slot` of, when the adapter is resident in a bank; a grouped pass
+    reads the stack instead of copying the factors together."""
+    slot: int = -1
 
 
 @dataclass(frozen=True)

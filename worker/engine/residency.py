@@ -20,6 +20,7 @@ from torch import nn
 
 from services.domain.training import AdapterId
 from worker.engine.adapters import AdapterState
+from worker.engine.banks import AdapterBanks
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,11 @@ class UnknownAdapter(KeyError):
 
 
 class AdapterSlots:
-    """Resident adapters in LRU order plus spilled ones; `get` brings an adapter back when needed."""
+    """Resident adapters in LRU order plus spilled ones; `get` brings an adapter back when needed.
+
+    Resident adapters' factors live in `banks` (stacked rows a grouped pass reads without copying);
+    an adapter leaves its row whenever it stops being resident.
+    """
 
     def __init__(self, device: torch.device, max_resident: int, spill_dir: Path | None = None) -> None:
         if max_resident < 1:
@@ -46,6 +51,7 @@ class AdapterSlots:
         self._on_disk: dict[AdapterId, Path] = {}
         self._spill_to_disk = device.type == "cpu"
         self._spill_dir = spill_dir
+        self.banks = AdapterBanks()
         self.spills = 0
         self.restores = 0
 
@@ -63,6 +69,7 @@ class AdapterSlots:
 
     def put(self, state: AdapterState, pinned: Iterable[AdapterId] = ()) -> None:
         self.drop(state.adapter_id)
+        self.banks.place(state)
         self._resident[state.adapter_id] = state
         self._evict(set(pinned) | {state.adapter_id})
 
@@ -73,12 +80,15 @@ class AdapterSlots:
             self._resident.move_to_end(adapter_id)
             return state
         state = self._restore(adapter_id)
+        self.banks.place(state)
         self._resident[adapter_id] = state
         self._evict(set(pinned) | {adapter_id})
         return state
 
     def drop(self, adapter_id: AdapterId) -> None:
-        self._resident.pop(adapter_id, None)
+        state = self._resident.pop(adapter_id, None)
+        if state is not None:
+            self.banks.release(state)
         self._on_host.pop(adapter_id, None)
         path = self._on_disk.pop(adapter_id, None)
         if path is not None:
@@ -93,6 +103,7 @@ class AdapterSlots:
 
     def _spill(self, state: AdapterState) -> None:
         self.spills += 1
+        self.banks.release(state)
         if not self._spill_to_disk:
             state.to("cpu")
             self._on_host[state.adapter_id] = state

@@ -1,0 +1,128 @@
+"""Adapter banks: resident adapters' factors as rows of stacked tensors, read by grouped passes as they are.
+
+Placing, growing and releasing must never change an adapter's values or let two adapters share memory;
+a grouped pass over bank rows (consecutive: a view; scattered: a gather; several banks: stacked copies)
+must give the same outputs and gradients as plain per-segment autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.domain.training import AdapterId, LoraSpec
+from worker.engine.adapters import AdapterState
+from worker.engine.banks import AdapterBanks, order_key
+from worker.engine.lora import MultiLoraLinear
+from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
+
+N_IN, N_OUT = 8, 6
+
+
+def _state(aid: str, seed: int, rank: int = 3) -> AdapterState:
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        "lin.lora_A": torch.nn.Parameter(torch.randn(rank, N_IN, generator=gen)),
+        "lin.lora_B": torch.nn.Parameter(torch.randn(N_OUT, rank, generator=gen)),
+    }
+    return AdapterState(AdapterId(aid), LoraSpec(rank=rank, seed=seed), seed, params)
+
+
+def _values(state: AdapterState) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in state.params.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_placed_params_are_bank_rows_with_unchanged_values() -> None:
+    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(3)]
+    before = [_values(s) for s in states]
+    params = [dict(s.params) for s in states]
+    for s in states:
+        banks.place(s)
+    for i, s in enumerate(states):
+        _same(_values(s), before[i])
+        assert s.placement is not None and s.placement.slot == i
+        assert all(s.params[k] is params[i][k] for k in s.params)  # same leaves: optimizer state keyed by them
+        bank = s.placement.layers["lin"]
+        assert s.params["lin.lora_A"].data_ptr() == bank.A[i].data_ptr()
+        assert s.params["lin.lora_B"].data_ptr() == bank.B[i].data_ptr()
+    assert [order_key(s) for s in states] == sorted(order_key(s) for s in states)
+
+
+def test_growing_keeps_every_adapter_and_its_updates() -> None:
+    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(9)]  # > initial rows: grows several times
+    for s in states:
+        banks.place(s)
+    with torch.no_grad():
+        states[0].params["lin.lora_A"].add_(1.0)  # in-place updates (the optimizer) land in the bank
+    expected = _values(states[0])
+    bank = states[0].placement.layers["lin"]
+    assert torch.equal(bank.A[0], expected["lin.lora_A"])
+    assert len({s.params["lin.lora_A"].data_ptr() for s in states}) == len(states)
+    assert banks.rows_in_use() == 9
+
+
+def test_released_adapter_keeps_its_values_when_the_row_is_reused() -> None:
+    banks = AdapterBanks()
+    old, new = _state("old", 1), _state("new", 2)
+    banks.place(old)
+    kept = _values(old)
+    slot = old.placement.slot
+    banks.release(old)
+    banks.place(new)
+    assert new.placement.slot == slot  # the freed row is reused...
+    _same(_values(old), kept)  # ...without touching the released adapter's values
+    assert old.params["lin.lora_A"].data_ptr() != new.params["lin.lora_A"].data_ptr()
+    with pytest.raises(RuntimeError, match="bank row"):
+        new.to("cpu")  # moving a placed adapter would leave it aliasing a row another may get
+
+
+def test_ranks_get_their_own_banks() -> None:
+    banks = AdapterBanks()
+    a, b = _state("a", 1, rank=2), _state("b", 2, rank=4)
+    banks.place(a)
+    banks.place(b)
+    assert a.placement.bank is not b.placement.bank
+    assert a.placement.slot == b.placement.slot == 0
+
+
+def _reference(x: torch.Tensor, segments: list[Segment], n_out: int) -> torch.Tensor:
+    pieces = []
+    for seg in segments:
+        xs, w = x[seg.start:seg.end], seg.weights["lin"]
+        pieces.append(((xs @ w.A.t()) @ w.B.t()) * w.scale)
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], "two-banks"])
+def test_grouped_pass_over_bank_rows_equals_per_segment_autograd(order: list[int] | str) -> None:
+    """Consecutive rows (a view of the bank), scattered rows (a gather) and two banks (stacked copies)."""
+    banks = AdapterBanks()
+    ranks = [3, 3, 5] if order == "two-banks" else [3, 3, 3]
+    states = [_state(f"a{i}", i, rank=r) for i, r in enumerate(ranks)]
+    for s in states:
+        banks.place(s)
+    picked = [states[i] for i in ([0, 1, 2] if order == "two-banks" else order)]
+    weights = [s.layer_weights(trainable=True)["lin"] for s in picked]
+    weights = [LoraWeights(w.A, w.B, 0.5 + i, w.bank, w.slot) for i, w in enumerate(weights)]
+    segments = [Segment(4 * i, 4 * i + 4, {"lin": w}) for i, w in enumerate(weights)]
+    ctx = PassContext(lora_strategy="grouped")
+    layer = MultiLoraLinear(torch.nn.Linear(N_IN, N_OUT, bias=False).requires_grad_(False), "lin", ctx)
+    x = torch.randn(12, N_IN, requires_grad=True)
+    grad_out = torch.randn(12, N_OUT)
+    leaves = [x, *(w.A for w in weights), *(w.B for w in weights)]
+
+    with ctx.plan(PassPlan(segments)):
+        ours = layer(x) - layer.base(x)
+    got = torch.autograd.grad(ours, leaves, grad_out)
+    expected_out = _reference(x, segments, N_OUT)
+    expected = torch.autograd.grad(expected_out, leaves, grad_out)
+
+    torch.testing.assert_close(ours, expected_out, atol=1e-5, rtol=1e-5)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
