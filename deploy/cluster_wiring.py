@@ -31,7 +31,8 @@ def cluster_config(settings: ClusterSettings) -> ClusterConfig:
         WorkerSpec(name=spec.name, source=spec.source, replicas=settings.replicas, num_cpus=settings.replica_num_cpus,
                    num_gpus=settings.replica_num_gpus, max_resident_adapters=settings.max_resident_adapters,
                    max_tokens_per_pass=settings.max_tokens_per_pass, micro_batch_tokens=settings.micro_batch_tokens,
-                   device=settings.device, dtype=settings.dtype)
+                   device=settings.device, dtype=settings.dtype,
+                   keep_freed_host_memory=settings.keep_freed_host_memory)
         for spec in settings.served_base_models()
     )
     defaults = ClusterConfig(

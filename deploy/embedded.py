@@ -128,7 +128,8 @@ def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:
                           max_resident_adapters=settings.max_resident_adapters,
                           spill_dir=settings.spill_dir / safe_component(spec.name),
                           device=settings.device, dtype=settings.dtype,
-                          micro_batch_tokens=settings.micro_batch_tokens)
+                          micro_batch_tokens=settings.micro_batch_tokens,
+                          keep_freed_host_memory=settings.keep_freed_host_memory)
     return Engine(path, name=spec.name, config=config)
 
 

@@ -70,6 +70,9 @@ class ServiceSettings(BaseSettings):
     micro_batch_tokens: int | None = Field(None, ge=1, description=(
         "Tokens per packed pass when a step holds more (capped by max_tokens_per_pass); default: 512 on CPU, "
         "where bigger passes ran slower per token, and max_tokens_per_pass on a GPU."))
+    keep_freed_host_memory: bool = Field(True, description=(
+        "CPU workers: keep freed memory in the process for the next pass (glibc mallopt) instead of paging it "
+        "in afresh every pass; the process then holds its peak heap."))
     max_tokens_per_step: int = Field(32768, ge=1, description=(
         "Tokens the scheduler packs into one step (several micro-batches); a forward_backward request "
         "larger than this is refused."))

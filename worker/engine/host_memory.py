@@ -2,8 +2,8 @@
 
 Every pass allocates and frees the same large activations (logits, MLP intermediates, their gradients).
 glibc's defaults hand buffers above a threshold to `mmap` and give freed heap tops back to the kernel,
-so every pass touched fresh pages: on the small-step bench ~3,000-4,000 page faults per step and about a
-third of its time (single adapter 80.6 → 53-54 ms/step, packed 88.8 → 65 ms/step once they were kept).
+so every pass touched fresh pages: ~270,000 page faults (~1 GB) per 512-token SmolLM2 pass and
+~3,000-4,000 per small-bench step, a fifth to a third of their time (docs/performance.md, session 3).
 Keeping freed memory in the heap for reuse costs only what the process already peaked at.
 
 Only glibc is tuned (`mallopt`); elsewhere, or when the operator preloads another allocator (jemalloc,
@@ -26,9 +26,12 @@ _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 
 MMAP_THRESHOLD = 32 << 20
-"""Buffers below this come from the heap (glibc's ceiling for the setting on 64-bit)."""
-TRIM_THRESHOLD = 1 << 30
-"""Free memory at the heap top kept for reuse instead of given back to the kernel."""
+"""Buffers below this come from the heap (glibc's ceiling for the setting on 64-bit); with `mmap` switched
+off (`M_MMAP_MAX` 0) larger ones do too: SmolLM2's 512-token logits alone are 100 MB."""
+TRIM_THRESHOLD = (1 << 31) - 1
+"""Free memory at the heap top kept for reuse instead of given back to the kernel (the largest value the
+setting takes). At 1 GB a packed call that had freed eight adapters' gradients still trimmed and faulted
+some of it back in on the next call."""
 TOP_PAD = 64 << 20
 """Extra heap grown at a time, so growing passes do not extend the heap in small steps."""
 

@@ -43,6 +43,8 @@ class WorkerSpec:
     max_tokens_per_pass: int = 8192
     micro_batch_tokens: int | None = None
     """Tokens per packed pass (see `EngineConfig.micro_batch_tokens`); None: the engine's choice for its device."""
+    keep_freed_host_memory: bool = True
+    """CPU replicas keep freed memory for reuse (see `EngineConfig.keep_freed_host_memory`)."""
     device: str | None = None
     dtype: str | None = None
 

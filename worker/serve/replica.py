@@ -59,5 +59,6 @@ class ReplicaHost:
         engine_config = EngineConfig(max_tokens_per_pass=spec.max_tokens_per_pass,
                                      max_resident_adapters=spec.max_resident_adapters, spill_dir=spill,
                                      device=spec.device, dtype=spec.dtype,
-                                     micro_batch_tokens=spec.micro_batch_tokens)
+                                     micro_batch_tokens=spec.micro_batch_tokens,
+                                     keep_freed_host_memory=spec.keep_freed_host_memory)
         return Engine(path, name=spec.name, config=engine_config)

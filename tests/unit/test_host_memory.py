@@ -1,0 +1,32 @@
+"""CPU engines keep freed memory for reuse: glibc accepts the settings, and a preloaded allocator is left alone."""
+
+from __future__ import annotations
+
+import ctypes.util
+import resource
+
+import pytest
+import torch
+
+from worker.engine import host_memory
+
+
+def test_preloaded_allocator_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_memory, "_tuned", False)
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert host_memory.keep_freed_memory() is False
+    assert host_memory._tuned is False
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to tune")
+def test_glibc_keeps_big_buffers_for_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    if not host_memory.keep_freed_memory():
+        pytest.skip("not glibc")
+    assert host_memory.keep_freed_memory() is True  # idempotent
+    # A 64 MB buffer (above any mmap threshold) allocated, freed and allocated again: the second time
+    # its pages are already there, so touching it faults (almost) nothing in.
+    torch.ones(16 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000  # 64 MB fresh would be 16,384
