@@ -85,7 +85,7 @@ class MultiLoraLinear(nn.Module):
                 segments: list[Segment]) -> torch.Tensor:
         if len(entries) == 1 and len(segments) == 1:
             _, w = entries[0]
-            return ((x.to(w.A.dtype) @ w.A.t()) @ w.B.t()).mul(w.scale)
+            return _delta(x, w)
         by_start = {seg.start: w for seg, w in entries}
         # `split` (not slicing): its backward is one concatenation, where each slice's backward would
         # materialise a zero-filled gradient of the whole input.
@@ -96,8 +96,13 @@ class MultiLoraLinear(nn.Module):
             if w is None:
                 pieces.append(x.new_zeros((seg.end - seg.start, self.out_features)))
                 continue
-            pieces.append(((xs.to(w.A.dtype) @ w.A.t()) @ w.B.t()).mul(w.scale))
+            pieces.append(_delta(xs, w))
         return torch.cat(pieces, dim=0)
+
+
+def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+    # Scale the (tokens, rank) product, not the (tokens, out) one: lm_head's out is the vocabulary.
+    return ((x.to(w.A.dtype) @ w.A.t()) * w.scale) @ w.B.t()
 
 
 def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: PassPlan,
