@@ -8,6 +8,7 @@ uninterrupted run on an in-process engine (≤ 1e-5).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -48,7 +49,11 @@ def ray_instance() -> Iterator[None]:
     try:
         yield
     finally:
+        # Handles and object refs left in reference cycles must die while Ray is up: one collected after
+        # `ray.shutdown()` (in whatever thread the collector runs) makes Ray end the whole test process.
+        gc.collect()
         serve.shutdown()
+        gc.collect()
         ray.shutdown()
 
 
