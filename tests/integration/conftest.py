@@ -128,3 +128,20 @@ def postgres_harness(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
         h = build_harness(url, tiny_model_dir, tmp_path)
         yield h
         h.close()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
+    """A migrated database per test module, once on SQLite and once on a scratch PostgreSQL database."""
+    if request.param == "sqlite":
+        database = open_database(database_url_for_data_dir(tmp_path_factory.mktemp("sqlite")), migrate=True)
+        yield database
+        database.dispose()
+        return
+    reason = postgres_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with scratch_postgres_database() as url:
+        database = open_database(url, migrate=True)
+        yield database
+        database.dispose()

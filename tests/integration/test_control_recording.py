@@ -4,38 +4,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
-import pytest
-
 from services.control.recording import DatabaseCompletionHook
-from services.db import Database, database_url_for_data_dir, open_database, request_log, runs, sessions, tenants
+from services.db import Database, request_log, runs, sessions, tenants
 from services.db.ids import ModelId, RequestId, TenantId
 from services.db.models import RequestRow
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database, wipe_tables
+from services.db.testing import wipe_tables
 from services.db.usage import usage_totals
 from services.domain.training import ForwardBackwardResult, WorkError
 from services.scheduler.requests import Completion, QueuedRequest, RequestKind
 from services.scheduler.requests import ModelId as QueueModelId
 from services.scheduler.requests import RequestId as QueueRequestId
 from services.scheduler.requests import TenantId as QueueTenantId
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
-    if request.param == "sqlite":
-        database = open_database(database_url_for_data_dir(tmp_path_factory.mktemp("sqlite")), migrate=True)
-        yield database
-        database.dispose()
-        return
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with scratch_postgres_database() as url:
-        database = open_database(url, migrate=True)
-        yield database
-        database.dispose()
 
 
 def _queued(database: Database, seq_ids: range) -> list[QueuedRequest]:

@@ -14,9 +14,7 @@ from services.db import (
     ConflictError,
     Database,
     NotFoundError,
-    database_url_for_data_dir,
     hub_pushes,
-    open_database,
     request_log,
     runs,
     sessions,
@@ -25,29 +23,9 @@ from services.db import (
 )
 from services.db import checkpoints as ckpts
 from services.db.ids import ApiKeyId, HubPushId, ModelId, SessionId, TenantId
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database, wipe_tables
+from services.db.testing import wipe_tables
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with scratch_postgres_database() as url:
-        yield url
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
-    if request.param == "sqlite":
-        url = database_url_for_data_dir(tmp_path_factory.mktemp("sqlite"))
-    else:
-        url = request.getfixturevalue("postgres_url")
-    database = open_database(url, migrate=True)
-    yield database
-    database.dispose()
 
 
 @pytest.fixture

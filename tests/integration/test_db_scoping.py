@@ -12,9 +12,7 @@ from services.auth.tenants import issue_api_key
 from services.db import (
     Database,
     NotFoundError,
-    database_url_for_data_dir,
     hub_pushes,
-    open_database,
     request_log,
     runs,
     sessions,
@@ -22,27 +20,7 @@ from services.db import (
 )
 from services.db import checkpoints as ckpts
 from services.db.ids import HubPushId, ModelId, RequestId, SamplingSessionId, SessionId, TenantId
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database, wipe_tables
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with scratch_postgres_database() as url:
-        yield url
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
-    if request.param == "sqlite":
-        url = database_url_for_data_dir(tmp_path_factory.mktemp("sqlite"))
-    else:
-        url = request.getfixturevalue("postgres_url")
-    database = open_database(url, migrate=True)
-    yield database
-    database.dispose()
+from services.db.testing import wipe_tables
 
 
 @dataclass(frozen=True)
