@@ -10,7 +10,7 @@ gather instead of a copy per adapter.
 Adapters stay separate autograd leaves (a view's gradient is its own tensor), so gradients, the
 per-adapter optimizer and checkpoints see nothing different. A bank holds adapters of one rank and
 one set of layers (a "class"); rows are handed out lowest-first so tenants created together sit
-together, and a bank doubles when full. An adapter leaving residency (spill, drop) gets private copies
+together, and a full bank grows by a quarter. An adapter leaving residency (spill, drop) gets private copies
 of its factors back before its row is reused.
 """
 
@@ -47,7 +47,6 @@ class ClassBank:
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], device: torch.device,
                  dtype: torch.dtype, ordinal: int) -> None:
         self.ordinal = ordinal
-        self._shapes = shapes
         self._device, self._dtype = device, dtype
         self.layers = {name: LayerBank(self._empty(a), self._empty(b)) for name, (a, b) in shapes.items()}
         self._owners: list[AdapterState | None] = [None] * _INITIAL_ROWS
@@ -84,10 +83,9 @@ class ClassBank:
     def _grow(self, rows: int) -> None:
         used = len(self._owners)
         with torch.no_grad():
-            for name, bank in self.layers.items():
-                a_shape, b_shape = self._shapes[name]
-                bank.A = torch.cat([bank.A, self._empty(a_shape, rows - used)])
-                bank.B = torch.cat([bank.B, self._empty(b_shape, rows - used)])
+            for bank in self.layers.values():
+                bank.A = torch.cat([bank.A, self._empty(bank.A.shape[1:], rows - used)])
+                bank.B = torch.cat([bank.B, self._empty(bank.B.shape[1:], rows - used)])
         self._owners.extend([None] * (rows - used))
         for slot, owner in enumerate(self._owners):
             if owner is not None:  # re-point the resident adapters at the new storage

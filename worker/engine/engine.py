@@ -168,7 +168,7 @@ class Engine:
                                   loss_config=dict(work.loss_config), train=not work.forward_only)
                 by_adapter.setdefault(work.adapter_id, []).append(item)
         for aid in trains:
-            self.slots.get(aid).pending_grad_passes += 1
+            states[aid].pending_grad_passes += 1
         ordered = sorted(by_adapter, key=lambda aid: order_key(states[aid]) if aid is not None else (-1, 0))
         return [item for aid in ordered for item in by_adapter[aid]]
 

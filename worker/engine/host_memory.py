@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def keep_freed_memory() -> bool:
     return _tuned
 
 
-def _glibc_mallopt():  # type: ignore[no-untyped-def]
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None

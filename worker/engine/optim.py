@@ -29,9 +29,7 @@ def adamw_step(adapter: AdapterState, hp: AdamParams) -> dict[str, float]:
     if not with_grads:
         adapter.zero_grad()
         return metrics
-    names = [k for k, _, _ in with_grads]
-    params = [p for _, p, _ in with_grads]
-    grads = [g for _, _, g in with_grads]
+    names, params, grads = (list(column) for column in zip(*with_grads, strict=True))
     state = adapter.optimizer
     state.step += 1
     m, v = _moments(state.exp_avg, names, params), _moments(state.exp_avg_sq, names, params)
