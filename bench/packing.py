@@ -105,7 +105,7 @@ def run_regime(regime: Regime, config: EngineConfig, rank: int) -> dict[str, Mea
     runs = _runs(engine, regime, data)
     for fn in runs.values():  # warm-up: allocator, optimizer state, kernel selection
         fn()
-    _sync()
+    _sync(engine)
     per_adapter = engine.adapter(AdapterId("tenant-0")).num_bytes()
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(regime.rounds):
@@ -113,7 +113,7 @@ def run_regime(regime: Regime, config: EngineConfig, rank: int) -> dict[str, Mea
         for name in order:
             started = time.perf_counter()
             runs[name]()
-            _sync()
+            _sync(engine)
             times[name].append(time.perf_counter() - started)
     _print_regime(regime, engine, per_adapter, rss_per_adapter)
     print(f"[{regime.name}] process RSS after the runs: {_rss_bytes() / 2**20:.0f} MiB (model, adapters, and the "
@@ -133,8 +133,8 @@ def _print_regime(regime: Regime, engine: Engine, per_adapter: int, rss_per_adap
           f"device={engine.lm.device} dtype={engine.lm.dtype} adapters={regime.adapters} "
           f"x {regime.seqs_per_adapter} seq x {regime.seq_len} tok, passes of <= {engine.micro_batch_tokens} tokens")
     print(f"[{regime.name}] memory per extra resident adapter: {per_adapter / 2**20:.2f} MiB "
-          f"(LoRA factors + AdamW moments, created on first step); creating the adapters grew process RSS by "
-          f"{rss_per_adapter / 2**20:.2f} MiB each (factors in bank rows)")
+          f"(its bank row: LoRA factors, gradient and AdamW moments); creating the adapters grew "
+          f"process RSS by {rss_per_adapter / 2**20:.2f} MiB each")
 
 
 def _report(regime: Regime, measured: dict[str, Measured], n_params: int, device: str) -> None:
@@ -157,7 +157,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _sync() -> None:
+def _sync(engine: Engine) -> None:
+    """A step's whole work done: optimizer updates the engine left pending, and the GPU's queue."""
+    engine.apply_pending_steps()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 

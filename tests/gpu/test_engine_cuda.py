@@ -76,6 +76,6 @@ def test_packed_bf16_pass_matches_peft_alone_on_cuda(tiny_model_dir, strategy: s
                 layer = name.removeprefix("base_model.model.")
                 for part in ("A", "B"):
                     ref = getattr(module, f"lora_{part}")["default"].weight.grad.float()
-                    ours = state.params[f"{layer}.lora_{part}"].grad.float()
+                    ours = state.grads()[f"{layer}.lora_{part}"].float()
                     err = float((ours - ref).norm() / ref.norm().clamp_min(1e-12))
                     assert err <= GRAD_RTOL, f"{layer}.lora_{part}: {err:.3f}"

@@ -117,8 +117,10 @@ def test_round_trip_restores_training_state_bit_for_bit(engine: Engine, trained:
     src, copy = engine.adapter(trained), engine.adapter(AdapterId("copy"))
     assert copy.optimizer.step == src.optimizer.step == 2
     assert copy.pending_grad_passes == src.pending_grad_passes == 1
+    src_grads, copy_grads = src.grads(), copy.grads()
+    assert set(src_grads) == set(src.params)
     for key, p in src.params.items():
-        assert torch.equal(copy.params[key], p) and torch.equal(copy.params[key].grad, p.grad)
+        assert torch.equal(copy.params[key], p) and torch.equal(copy_grads[key], src_grads[key])
         assert torch.equal(copy.optimizer.exp_avg[key], src.optimizer.exp_avg[key])
         assert torch.equal(copy.optimizer.exp_avg_sq[key], src.optimizer.exp_avg_sq[key])
 
@@ -129,7 +131,7 @@ def test_load_without_optimizer_gives_fresh_optimizer(engine: Engine, trained: A
     engine.load_adapter(AdapterId("weights"), tmp_path / "ckpt", with_optimizer=False)
     state = engine.adapter(AdapterId("weights"))
     assert state.optimizer.step == 0 and not state.optimizer.exp_avg and state.pending_grad_passes == 0
-    assert all(p.grad is None for p in state.params.values())
+    assert state.grads() == {} and all(p.grad is None for p in state.params.values())
     for key, p in engine.adapter(trained).params.items():
         assert torch.equal(state.params[key], p)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.lora import GroupedLoraDelta, MultiLoraLinear
+from worker.engine.lora import GroupedLoraDelta, MultiLoraLinear, _Layout
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
 
 
@@ -26,8 +26,11 @@ def test_gradcheck_mixed_ranks_and_detached_factors() -> None:
     ranks, train = [2, 4, 3], [True, False, True]
     factors = _factors(ranks, n_in=5, n_out=6, dtype=torch.float64, train=train)
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
-    scale = torch.tensor([2.0, 0.5, 1.5], dtype=torch.float64)[:, None, None]
-    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, scale, max(ranks), None, *f),
+    entries = [(Segment(4 * i, 4 * i + 4, None), LoraWeights(factors[i], factors[len(ranks) + i], scale))
+               for i, scale in enumerate([2.0, 0.5, 1.5])]
+    layout = _Layout(entries, tokens=12, device=x.device, strategy="grouped")
+    weights = [w for _, w in entries]
+    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, layout, None, weights, *f),
                                     (x, *factors))
 
 

@@ -49,7 +49,7 @@ def _snapshot(engine: Engine, aid: AdapterId) -> Snapshot:
     """Factors, pending gradients and AdamW moments of one adapter, copied."""
     state = engine.adapter(aid)
     out = {f"param:{k}": p.detach().clone() for k, p in state.params.items()}
-    out.update({f"grad:{k}": p.grad.clone() for k, p in state.params.items() if p.grad is not None})
+    out.update({f"grad:{k}": g.clone() for k, g in state.grads().items()})
     out.update({f"exp_avg:{k}": t.clone() for k, t in state.optimizer.exp_avg.items()})
     out.update({f"exp_avg_sq:{k}": t.clone() for k, t in state.optimizer.exp_avg_sq.items()})
     return out
@@ -130,7 +130,9 @@ def _state(aid: str, seed: int) -> AdapterState:
 
 def _raw(state: AdapterState) -> Snapshot:
     out = {f"param:{k}": p.detach().clone() for k, p in state.params.items()}
-    out.update({f"grad:{k}": p.grad.clone() for k, p in state.params.items()})
+    grads = state.grads()
+    assert set(grads) == set(state.params)
+    out.update({f"grad:{k}": g.clone() for k, g in grads.items()})
     out.update({f"m:{k}": t.clone() for k, t in state.optimizer.exp_avg.items()})
     out.update({f"v:{k}": t.clone() for k, t in state.optimizer.exp_avg_sq.items()})
     return out

@@ -267,4 +267,5 @@ def test_invalid_requests_fail_alone(engine: Engine) -> None:
 def test_sampling_never_touches_adapter_grads(engine: Engine) -> None:
     engine.sample([SampleWork(A, _prompt(30, 4)), SampleWork(B, _prompt(31, 6), num_samples=2)])
     for aid in SPECS:
-        assert all(p.grad is None for p in engine.adapter(aid).params.values())
+        state = engine.adapter(aid)
+        assert state.grads() == {} and all(p.grad is None for p in state.params.values())

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from services.domain.training import AdapterId, LoraSpec
+from worker.engine.banks import KINDS
 from worker.engine.lora import MultiLoraLinear, iter_targets, target_suffixes
-from worker.engine.passes import LoraWeights
+from worker.engine.passes import GradRows, LoraWeights
 
 if TYPE_CHECKING:
     from worker.engine.banks import BankPlacement
@@ -44,18 +45,41 @@ class AdapterState:
     """forward_backward calls accumulated since the last optim_step."""
     placement: BankPlacement | None = None
     """The bank row its factors live in while resident (worker/engine/banks.py); None: private tensors."""
+    grad_rows: GradRows = field(default_factory=GradRows)
+    """While placed, its gradient lives in the bank's gradient rows (valid or not); else in `.grad`."""
+
+    _weights: dict[bool, tuple[tuple[object, ...], dict[str, LoraWeights]]] = field(
+        default_factory=dict, repr=False, compare=False)
+    """`layer_weights` per `trainable`, with the signature of the storage it was built on."""
+    _grad_views: tuple[tuple[object, ...], dict[str, torch.Tensor]] | None = field(
+        default=None, repr=False, compare=False)
+    """`grads()` while placed, with the signature of the gradient rows it views."""
 
     def layer_weights(self, *, trainable: bool) -> dict[str, LoraWeights]:
-        """The factors per layer name for a pass plan; detached when this pass must not train them."""
+        """The factors per layer name for a pass plan (read-only); detached when this pass must not train
+        them. Built once per placement and storage: with many tenants per pass, rebuilding every adapter's
+        per-layer views for every call was a visible share of a small step."""
+        first = next(iter(self.params.values()))
+        # Placement, bank growth, release and spill all move or replace the factors' storage.
+        signature = (self.placement, id(first), first.data_ptr())
+        cached = self._weights.get(trainable)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
         out: dict[str, LoraWeights] = {}
         banks = self.placement.layers if self.placement is not None else {}
         slot = self.placement.slot if self.placement is not None else -1
+        rows = self.grad_rows if self.placement is not None else None
         for name in self.layer_names():
             a, b = self.params[f"{name}.lora_A"], self.params[f"{name}.lora_B"]
             if not trainable:
                 a, b = a.detach(), b.detach()
-            out[name] = LoraWeights(a, b, self.spec.scale, banks.get(name), slot)
+            out[name] = LoraWeights(a, b, self.spec.scale, banks.get(name), slot, rows)
+        self._weights[trainable] = (signature, out)
         return out
+
+    def __getstate__(self) -> dict[str, object]:
+        # Spill files pickle the state: the weights cache references bank tensors and must not go along.
+        return {**self.__dict__, "_weights": {}, "_grad_views": None}
 
     def layer_names(self) -> list[str]:
         return sorted({k.rsplit(".", 1)[0] for k in self.params})
@@ -63,13 +87,34 @@ class AdapterState:
     def parameters(self) -> list[nn.Parameter]:
         return [self.params[k] for k in sorted(self.params)]
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradient per parameter name (views of the bank's gradient rows while placed;
+        read-only); empty when no pass has accumulated one since the last optimizer step."""
+        if self.placement is None:
+            return {k: g for k, p in self.params.items() if (g := p.grad) is not None}
+        if not self.grad_rows.valid:
+            return {}
+        # Cached views keep their storage alive, so a matching address is the same storage.
+        signature = (self.placement, next(iter(self.placement.layers.values())).grad_A.data_ptr())
+        if self._grad_views is None or self._grad_views[0] != signature:
+            self._grad_views = (signature, self.placement.grads())
+        return self._grad_views[1]
+
     def zero_grad(self) -> None:
-        for p in self.params.values():
-            p.grad = None
+        """Forget the accumulated gradient (a placed adapter's rows are overwritten by its next pass)."""
+        if self.placement is None:
+            for p in self.params.values():
+                p.grad = None
+        self.grad_rows.valid = False
         self.pending_grad_passes = 0
 
     def num_bytes(self) -> int:
-        n = sum(p.numel() * p.element_size() for p in self.params.values())
+        """Memory this adapter holds: while placed, its bank row (factors, gradient and both moments, all
+        kept there from the start); otherwise its factors, pending gradient and the moments it has."""
+        factors = sum(p.numel() * p.element_size() for p in self.params.values())
+        if self.placement is not None:
+            return len(KINDS) * factors
+        n = factors + sum(g.numel() * g.element_size() for g in self.grads().values())
         n += sum(t.numel() * t.element_size() for t in self.optimizer.exp_avg.values())
         n += sum(t.numel() * t.element_size() for t in self.optimizer.exp_avg_sq.values())
         return n

@@ -7,8 +7,9 @@ adapter's factors *live* in a row of such a stack: its parameters are views of t
 adapters sit in consecutive rows reads the stack as it is, and any other subset of one bank costs one
 gather instead of a copy per adapter.
 
-Adapters stay separate autograd leaves (a view's gradient is its own tensor), so gradients, the
-per-adapter optimizer and checkpoints see nothing different. A bank holds adapters of one rank and
+Adapters stay separate autograd leaves, and each has gradient rows beside its factor rows: passes write
+a banked adapter's gradients there (worker/engine/grad_rows.py), `AdapterState.grads()` reads them, and an
+adapter leaving its row takes a pending gradient along as `.grad`. A bank holds adapters of one rank and
 one set of layers (a "class"); rows are handed out lowest-first so tenants created together sit
 together, and a full bank grows by a quarter. An adapter leaving residency (spill, drop) gets private copies
 of its factors back before its row is reused.
@@ -16,7 +17,7 @@ of its factors back before its row is reused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from worker.engine.adapters import AdapterState
 
 _INITIAL_ROWS = 2
+
+
+KINDS = ("", "grad", "exp_avg", "exp_avg_sq")
+"""What a bank keeps per layer, factor by factor: the factors, their gradients and their AdamW moments."""
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,28 @@ class BankPlacement:
     def layers(self) -> dict[str, LayerBank]:
         return self.bank.layers
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The adapter's gradient rows as views, by parameter name."""
+        return {key: row for key, row in self.bank.rows("grad", self.slot)}
+
+    def moment_row(self, kind: str, key: str) -> torch.Tensor:
+        """The adapter's row of AdamW moment `kind` ("exp_avg" or "exp_avg_sq") for parameter `key`."""
+        layer, factor = key.rsplit(".", 1)
+        return self.bank.layers[layer].rows(kind, _FACTOR[factor])[self.slot]
+
+
+_FACTOR = {"lora_A": "A", "lora_B": "B"}
+
 
 class ClassBank:
-    """Stacked factors of the resident adapters that share one rank and one set of layers."""
+    """Stacked factors (and their gradients and moments) of resident adapters sharing a rank and layers."""
 
     def __init__(self, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], device: torch.device,
                  dtype: torch.dtype, ordinal: int) -> None:
         self.ordinal = ordinal
         self._device, self._dtype = device, dtype
-        self.layers = {name: LayerBank(self._empty(a), self._empty(b)) for name, (a, b) in shapes.items()}
+        self.layers = {name: LayerBank(*(self._empty(shape) for _ in KINDS for shape in (a, b)))
+                       for name, (a, b) in shapes.items()}
         self._owners: list[AdapterState | None] = [None] * _INITIAL_ROWS
 
     def _empty(self, shape: tuple[int, ...], rows: int = _INITIAL_ROWS) -> torch.Tensor:
@@ -58,8 +76,17 @@ class ClassBank:
     def occupied(self) -> int:
         return sum(owner is not None for owner in self._owners)
 
+    def rows(self, kind: str, slot: int) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, row view) of `kind` for every factor of the adapter in `slot`."""
+        return [(f"{name}.lora_{f}", layer.rows(kind, f)[slot]) for name, layer in self.layers.items() for f in "AB"]
+
+    def runs(self, kind: str, start: int, stop: int) -> list[torch.Tensor]:
+        """Every layer's `kind` stacks cut to rows [start, stop): several adapters' tensors as one each."""
+        return [layer.rows(kind, f)[start:stop] for layer in self.layers.values() for f in "AB"]
+
     def take(self, state: AdapterState) -> int:
-        """Move `state`'s factors into the lowest free row; its parameters become views of that row."""
+        """Move `state`'s factors, pending gradient and moments into the lowest free row; its parameters
+        and moment entries become views of that row."""
         slot = next((i for i, owner in enumerate(self._owners) if owner is None), None)
         if slot is None:
             slot = len(self._owners)
@@ -67,37 +94,60 @@ class ClassBank:
             # so doubling would leave up to half the bank idle; growing copies the bank, once per growth.
             self._grow(max(slot + 1, slot * 5 // 4))
         self._owners[slot] = state
+        had_grads = any(p.grad is not None for p in state.params.values())
         with torch.no_grad():
-            for name, bank in self.layers.items():
-                _adopt(state, f"{name}.lora_A", bank.A[slot])
-                _adopt(state, f"{name}.lora_B", bank.B[slot])
+            for key, row in self.rows("", slot):
+                row.copy_(state.params[key].data)
+                state.params[key].data = row
+            if had_grads:  # an adapter coming back with a pending gradient keeps it, in its rows
+                for key, row in self.rows("grad", slot):
+                    grad = state.params[key].grad
+                    if grad is None:
+                        row.zero_()
+                    else:
+                        row.copy_(grad)
+                    state.params[key].grad = None
+            for kind in ("exp_avg", "exp_avg_sq"):
+                _adopt_moments(getattr(state.optimizer, kind), self.rows(kind, slot))
+        state.grad_rows.valid = had_grads
         return slot
 
     def give_back(self, state: AdapterState, slot: int) -> None:
-        """Give `state` private copies of its factors and free its row."""
+        """Give `state` private copies of its factors, moments and pending gradient; free its row."""
+        grads = state.grads()
         with torch.no_grad():
-            for p in state.params.values():
+            for key, p in state.params.items():
                 p.data = p.data.clone()
+                p.grad = grads[key].clone() if key in grads else None
+            for moments in (state.optimizer.exp_avg, state.optimizer.exp_avg_sq):
+                for key, t in moments.items():
+                    moments[key] = t.clone()
+        state.grad_rows.valid = False
         self._owners[slot] = None
 
     def _grow(self, rows: int) -> None:
         used = len(self._owners)
         with torch.no_grad():
             for bank in self.layers.values():
-                bank.A = torch.cat([bank.A, self._empty(bank.A.shape[1:], rows - used)])
-                bank.B = torch.cat([bank.B, self._empty(bank.B.shape[1:], rows - used)])
+                for f in fields(bank):
+                    stack = getattr(bank, f.name)
+                    setattr(bank, f.name, torch.cat([stack, self._empty(stack.shape[1:], rows - used)]))
         self._owners.extend([None] * (rows - used))
         for slot, owner in enumerate(self._owners):
             if owner is not None:  # re-point the resident adapters at the new storage
-                for name, bank in self.layers.items():
-                    owner.params[f"{name}.lora_A"].data = bank.A[slot]
-                    owner.params[f"{name}.lora_B"].data = bank.B[slot]
+                for key, row in self.rows("", slot):
+                    owner.params[key].data = row
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    moments = getattr(owner.optimizer, kind)
+                    moments.update((key, row) for key, row in self.rows(kind, slot) if key in moments)
 
 
-def _adopt(state: AdapterState, key: str, row: torch.Tensor) -> None:
-    param = state.params[key]
-    row.copy_(param.data)
-    param.data = row
+def _adopt_moments(moments: dict[str, torch.Tensor], rows: list[tuple[str, torch.Tensor]]) -> None:
+    # Only moments that exist move in: an adapter that never stepped keeps an empty optimizer state.
+    for key, row in rows:
+        if key in moments:
+            row.copy_(moments[key])
+            moments[key] = row
 
 
 class AdapterBanks:

@@ -89,7 +89,7 @@ def snapshot(state: AdapterState, *, base_model: str, with_optimizer: bool) -> A
     if with_optimizer:
         opt = state.optimizer
         snap.optimizer = OptimizerState(opt.step, _host(opt.exp_avg), _host(opt.exp_avg_sq))
-        snap.grads = _host({k: p.grad for k, p in state.params.items() if p.grad is not None})
+        snap.grads = _host(state.grads())
         snap.pending_grad_passes = state.pending_grad_passes
     return snap
 

@@ -33,9 +33,10 @@ from services.domain.validation import InvalidWork, ModelLimits, validate_forwar
 from worker.engine.adapters import AdapterState, new_adapter
 from worker.engine.banks import order_key
 from worker.engine.checkpoints import build_adapter, read_checkpoint, snapshot, write_checkpoint
+from worker.engine.deferred_steps import DeferredSteps
 from worker.engine.host_memory import keep_freed_memory
 from worker.engine.model import LoadedModel, load_base_model
-from worker.engine.optim import adamw_step
+from worker.engine.optim import prepare_step
 from worker.engine.packed import ItemOutput, PackedItem, run_packed_pass
 from worker.engine.residency import AdapterSlots, UnknownAdapter
 from worker.engine.sampler import LayerWeights, LazyTokenizer, sample_batch
@@ -86,6 +87,8 @@ class Engine:
         self.lm.ctx.lora_strategy = self.config.lora_strategy
         self.slots = AdapterSlots(self.lm.device, self.config.max_resident_adapters, self.config.spill_dir)
         self.stats = PassStats()
+        self.steps = DeferredSteps()
+        """Prepared optimizer steps not applied yet: every entry point below applies them first."""
         # One pass at a time per model: the pass context and the adapters' grads are shared state.
         self._lock = threading.RLock()
         self._info = BaseModelInfo(
@@ -105,11 +108,13 @@ class Engine:
     # -- adapters -------------------------------------------------------------------------------
     def create_adapter(self, adapter_id: AdapterId, spec: LoraSpec) -> None:
         with self._lock:
+            self.apply_pending_steps()
             state = new_adapter(adapter_id, spec, self.lm.layers, self.lm.device)
             self.slots.put(state)
 
     def drop_adapter(self, adapter_id: AdapterId) -> None:
         with self._lock:
+            self.apply_pending_steps()
             self.slots.drop(adapter_id)
 
     def has_adapter(self, adapter_id: AdapterId) -> bool:
@@ -118,15 +123,25 @@ class Engine:
     def adapter(self, adapter_id: AdapterId) -> AdapterState:
         """The adapter's live state (made resident); for checkpoints, tests and benchmarks."""
         with self._lock:
+            self.apply_pending_steps()
             return self.slots.get(adapter_id)
 
     def put_adapter(self, state: AdapterState) -> None:
         with self._lock:
+            self.apply_pending_steps()
             self.slots.put(state)
+
+    def apply_pending_steps(self) -> None:
+        """Apply the optimizer steps `optim_step` accepted (worker/engine/deferred_steps.py). Every other
+        entry point does this first; a benchmark calls it to time a step's whole work."""
+        with self._lock:
+            if len(self.steps):
+                self.steps.apply_all()
 
     # -- training -------------------------------------------------------------------------------
     def forward_backward(self, works: Sequence[ForwardBackwardWork]) -> list[ForwardBackwardResult | WorkError]:
         with self._lock:
+            self.apply_pending_steps()
             results: list[ForwardBackwardResult | WorkError | None] = [None] * len(works)
             runnable = self._admit(works, results)
             items = self._items(works, runnable)
@@ -199,13 +214,21 @@ class Engine:
         )
 
     def optim_step(self, adapter_id: AdapterId, params: AdamParams) -> OptimStepResult:
+        """Prepare the step (clipping, metrics) and leave its update pending: tenants stepping back to back
+        then share update calls (worker/engine/deferred_steps.py)."""
         with self._lock:
+            if adapter_id in self.steps or not self.slots.is_resident(adapter_id):
+                self.apply_pending_steps()  # its own earlier step, or residency about to change
             state = self.slots.get(adapter_id)
-            return OptimStepResult(metrics=adamw_step(state, params))
+            metrics, ready = prepare_step(state, params)
+            if ready:
+                self.steps.defer(state, params)
+            return OptimStepResult(metrics=metrics)
 
     # -- sampling and checkpoints are added by their own modules ------------------------------------
     def sample(self, works: Sequence[SampleWork]) -> list[SampleResult | WorkError]:
         with self._lock:
+            self.apply_pending_steps()
             # Every adapter of the batch stays resident while the others' weights are fetched.
             pinned = {w.adapter_id for w in works if w.adapter_id is not None}
 
@@ -219,6 +242,7 @@ class Engine:
     def save_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> int:
         # Copy under the lock (a consistent adapter), write files outside it (passes carry on).
         with self._lock:
+            self.apply_pending_steps()
             state = self.slots.get(adapter_id)
             snap = snapshot(state, base_model=self.info.name, with_optimizer=with_optimizer)
         return write_checkpoint(snap, Path(path))
@@ -228,6 +252,7 @@ class Engine:
         snap = read_checkpoint(Path(path), with_optimizer=with_optimizer, base_model=self.info.name)
         state = build_adapter(snap, adapter_id, self.lm.layers, self.lm.device)
         with self._lock:
+            self.apply_pending_steps()
             self.slots.put(state)
         return state.spec
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from worker.engine.grad_rows import deliver_one, deliver_stacked
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -66,26 +67,21 @@ class MultiLoraLinear(nn.Module):
         if not entries:
             return y
         x2 = x.reshape(-1, x.shape[-1])
-        if self._use_grouped(entries):
-            delta = _grouped(x2, entries, plan, self.out_features)
+        strategy = self._ctx.lora_strategy
+        layout = None
+        if strategy == "grouped" or (strategy == "auto" and len(entries) > 1):
+            layout = _layout(plan, entries, x2.shape[0], x2.device, strategy)
+        if layout is not None and layout.grouped:
+            delta = _grouped(x2, entries, layout, self.out_features)
         else:
-            delta = self._looped(x2, entries, plan.segments)
+            delta = self._looped(x2, entries, plan)
         return y + delta.to(y.dtype).reshape(y.shape)
 
-    def _use_grouped(self, entries: list[tuple[Segment, LoraWeights]]) -> bool:
-        strategy = self._ctx.lora_strategy
-        if strategy != "auto" or len(entries) == 1:
-            return strategy == "grouped"
-        longest = max(s.end - s.start for s, _ in entries)
-        top_rank = max(w.A.shape[0] for _, w in entries)
-        used = sum((s.end - s.start) * w.A.shape[0] for s, w in entries)
-        return used >= (1 - _MAX_PADDING_WASTE) * len(entries) * longest * top_rank
-
-    def _looped(self, x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]],
-                segments: list[Segment]) -> torch.Tensor:
+    def _looped(self, x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: PassPlan) -> torch.Tensor:
+        segments = plan.segments
         if len(entries) == 1 and len(segments) == 1:
             _, w = entries[0]
-            return _delta(x, w)
+            return _delta(x, w, plan.written)
         by_start = {seg.start: w for seg, w in entries}
         # `split` (not slicing): its backward is one concatenation, where each slice's backward would
         # materialise a zero-filled gradient of the whole input.
@@ -96,19 +92,46 @@ class MultiLoraLinear(nn.Module):
             if w is None:
                 pieces.append(x.new_zeros((seg.end - seg.start, self.out_features)))
                 continue
-            pieces.append(_delta(xs, w))
+            pieces.append(_delta(xs, w, plan.written))
         return torch.cat(pieces, dim=0)
 
 
-def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+def _delta(x: torch.Tensor, w: LoraWeights, written: set[tuple[int, int]]) -> torch.Tensor:
+    x = x.to(w.A.dtype)
+    if w.grad_rows is not None and torch.is_grad_enabled() and w.A.requires_grad:
+        return LoraDelta.apply(x, w, written, w.A, w.B)
     # Scale the (tokens, rank) product, not the (tokens, out) one: lm_head's out is the vocabulary.
-    return ((x.to(w.A.dtype) @ w.A.t()) * w.scale) @ w.B.t()
+    return ((x @ w.A.t()) * w.scale) @ w.B.t()
 
 
-def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: PassPlan,
+class LoraDelta(torch.autograd.Function):
+    """scale * (x @ A.T) @ B.T for one banked adapter: autograd's own four GEMMs, but the factors'
+    gradients go to the adapter's gradient rows (worker/engine/grad_rows.py) instead of `.grad`."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: LoraWeights,
+                written: set[tuple[int, int]], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = (x @ a.t()) * w.scale
+        ctx.save_for_backward(x, h, a, b)
+        ctx.weights, ctx.written = w, written
+        return h @ b.t()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, h, a, b = ctx.saved_tensors
+        w: LoraWeights = ctx.weights
+        needs = ctx.needs_input_grad
+        grad_h = (grad_out @ b) * w.scale
+        grad_x = grad_h @ a if needs[0] else None
+        grad_a = deliver_one((grad_h.t(), x), w, "A", ctx.written) if needs[3] else None
+        grad_b = deliver_one((grad_out.t(), h), w, "B", ctx.written) if needs[4] else None
+        return grad_x, None, None, grad_a, grad_b
+
+
+def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], layout: _Layout,
              out_features: int) -> torch.Tensor:
     """All segments' deltas with two batched GEMMs over padded segments and zero-padded ranks."""
-    layout = _layout(plan, entries, x.shape[0], x.device)
     dtype = entries[0][1].A.dtype
     if layout.uniform:
         # Equal segments covering every token: a view, no gather and no scatter.
@@ -116,9 +139,15 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: 
     else:
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
         x_S_L_in = x_ext[layout.gather]
-    factors = [w.A for _, w in entries] + [w.B for _, w in entries]
-    stacks = _bank_stacks([w for _, w in entries], layout)
-    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout.scale, layout.rank, stacks, *factors)
+    weights = [w for _, w in entries]
+    stacks = _bank_stacks(weights, layout)
+    if stacks is not None and all(w.grad_rows is not None for w in weights):
+        # Gradients go to bank rows: autograd only needs to know whether anything here trains.
+        trains = any(w.A.requires_grad for w in weights) and torch.is_grad_enabled()
+        inputs = [layout.trigger()] if trains else []
+    else:
+        inputs = [w.A for w in weights] + [w.B for w in weights]
+    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout, stacks, weights, *inputs)
     if layout.uniform:
         return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
@@ -131,62 +160,62 @@ class GroupedLoraDelta(torch.autograd.Function):
     """scale_s * (x_s @ A_s.T) @ B_s.T for every segment s, as one autograd node with a hand-written backward.
 
     The same four batched GEMMs autograd would run, without its bookkeeping around them: no stack/unbind
-    nodes for the factors, no separate scaling node, and each factor's gradient handed back as a view of one
-    stacked gradient (which `AccumulateGrad` adopts without a copy). With many tenants and small segments
-    those per-op costs were as large as the GEMMs themselves. Gradients are computed only for the inputs
-    that need them (a forward-only tenant's factors are detached).
+    nodes for the factors, no separate scaling node, and the factors' gradients written by the batched GEMM
+    straight into the adapters' gradient rows when they are banked (worker/engine/grad_rows.py; others get
+    theirs back through autograd). With many tenants and small segments those per-op costs were as large as
+    the GEMMs themselves. Gradients are computed only for the inputs that need them (a forward-only
+    tenant's factors are detached).
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, scale_S_1_1: torch.Tensor,
-                rank: int, stacks: tuple[torch.Tensor, torch.Tensor] | None, *factors: torch.Tensor) -> torch.Tensor:
-        # `factors` are the autograd inputs (each adapter's leaves); `stacks`, when given, hold the same
-        # values already stacked (rows of the adapters' bank), so nothing needs copying together here.
-        count = len(factors) // 2
+    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, layout: _Layout,
+                stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights],
+                *factors: torch.Tensor) -> torch.Tensor:
+        # `factors` are the autograd inputs: each adapter's leaves, or (all adapters banked, their
+        # gradients going to bank rows) at most one trigger leaf that puts this node in the graph.
+        # `stacks`, when given, hold the factors already stacked (rows of the adapters' bank).
+        count = len(weights)
+        ctx.trains = None if len(factors) == 2 * count else tuple(w.A.requires_grad for w in weights)
         if stacks is None:
-            stacks = (_stack(list(factors[:count]), rank, dim=0), _stack(list(factors[count:]), rank, dim=1))
+            stacks = (_stack(list(factors[:count]), layout.rank, dim=0),
+                      _stack(list(factors[count:]), layout.rank, dim=1))
         a_S_R_in, b_S_out_R = stacks
-        h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S_1_1)
-        ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R, scale_S_1_1)
-        ctx.ranks = [f.shape[0] for f in factors[:count]]
+        h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(layout.scale)
+        ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R)
+        ctx.layout, ctx.weights = layout, weights
         return torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad_S_L_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R, scale_S_1_1 = ctx.saved_tensors
-        ranks: list[int] = ctx.ranks
-        needs = ctx.needs_input_grad
-        count = len(ranks)
+        x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R = ctx.saved_tensors
+        layout: _Layout = ctx.layout
+        weights: list[LoraWeights] = ctx.weights
+        count = len(weights)
+        if ctx.trains is None:
+            needs = ctx.needs_input_grad
+            needs_a, needs_b = needs[_FACTORS : _FACTORS + count], needs[_FACTORS + count :]
+        else:
+            needs_a = needs_b = ctx.trains
         grad_S_L_out = grad_S_L_out.contiguous()
         grad_x: torch.Tensor | None = None
         grads_a: list[torch.Tensor | None] = [None] * count
         grads_b: list[torch.Tensor | None] = [None] * count
-        needs_a = any(needs[_FACTORS : _FACTORS + count])
-        if needs[0] or needs_a:  # both go through the gradient of the low-rank activations
-            grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(scale_S_1_1)
-            grad_x = torch.bmm(grad_h, a_S_R_in) if needs[0] else None
-            if needs_a:
-                grad_a = torch.bmm(grad_h.transpose(1, 2), x_S_L_in)
-                grads_a = _per_adapter(grad_a, ranks, needs[_FACTORS : _FACTORS + count], rank_dim=1)
-        if any(needs[_FACTORS + count :]):
-            grad_b = torch.bmm(grad_S_L_out.transpose(1, 2), h_S_L_R)
-            grads_b = _per_adapter(grad_b, ranks, needs[_FACTORS + count :], rank_dim=2)
-        return (grad_x, None, None, None, *grads_a, *grads_b)
-
-
-def _per_adapter(stacked: torch.Tensor, ranks: list[int], needs: tuple[bool, ...],
-                 rank_dim: int) -> list[torch.Tensor | None]:
-    """Each adapter's gradient as a view of the stacked one, its rank padding cut off (None if not needed)."""
-    if all(r == stacked.shape[rank_dim] for r in ranks):
-        views = stacked.unbind(0)  # one call for all views: with many tenants, per-view indexing adds up
-        return [v if need else None for v, need in zip(views, needs, strict=True)]
-    return [stacked[i].narrow(rank_dim - 1, 0, r) if need else None
-            for i, (r, need) in enumerate(zip(ranks, needs, strict=True))]
+        if ctx.needs_input_grad[0] or any(needs_a):  # both go through the gradient of the low-rank activations
+            grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(layout.scale)
+            grad_x = torch.bmm(grad_h, a_S_R_in) if ctx.needs_input_grad[0] else None
+            if any(needs_a):
+                grads_a = deliver_stacked((grad_h.transpose(1, 2), x_S_L_in), weights, needs_a, layout.first_slot,
+                                          "A", layout.written)
+        if any(needs_b):
+            grads_b = deliver_stacked((grad_S_L_out.transpose(1, 2), h_S_L_R), weights, needs_b, layout.first_slot,
+                                      "B", layout.written)
+        factor_grads = (*grads_a, *grads_b) if ctx.trains is None else (None,) * (len(ctx.needs_input_grad) - _FACTORS)
+        return (grad_x, None, None, None, *factor_grads)
 
 
 _FACTORS = 4
-"""Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, scale, rank, stacks, *factors)."""
+"""Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, layout, stacks, weights, *factors)."""
 
 
 def _bank_stacks(weights: list[LoraWeights], layout: _Layout) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -195,8 +224,8 @@ def _bank_stacks(weights: list[LoraWeights], layout: _Layout) -> tuple[torch.Ten
     bank = weights[0].bank
     if bank is None or any(w.bank is not bank for w in weights):
         return None
-    first = weights[0].slot
-    if all(w.slot == first + i for i, w in enumerate(weights)):
+    first = layout.first_slot
+    if first is not None:
         return bank.A[first : first + len(weights)], bank.B[first : first + len(weights)]
     if layout.slots is None:
         layout.slots = torch.tensor([w.slot for w in weights], device=bank.A.device)
@@ -216,33 +245,64 @@ def _stack(factors: list[torch.Tensor], rank: int, dim: int) -> torch.Tensor:
 
 
 class _Layout:
-    """Index tensors of one grouped layout; layers with the same segments and ranks share it."""
+    """What layers with the same segments, ranks and bank rows share within one pass: the strategy chosen
+    for them and, for the grouped one, its index tensors. Computed once per pass, not once per layer."""
 
-    def __init__(self, entries: list[tuple[Segment, LoraWeights]], tokens: int, device: torch.device) -> None:
+    def __init__(self, entries: list[tuple[Segment, LoraWeights]], tokens: int, device: torch.device,
+                 strategy: str) -> None:
         lengths = [s.end - s.start for s, _ in entries]
-        longest = max(lengths)
-        self.rank = max(w.A.shape[0] for _, w in entries)
-        offsets = torch.arange(longest)
+        self.ranks = [w.A.shape[0] for _, w in entries]
+        self.rank = max(self.ranks)
+        self.grouped = strategy == "grouped" or (strategy == "auto" and _worth_grouping(lengths, self.ranks))
+        self.covers_all = sum(lengths) == tokens
+        self.uniform = self.covers_all and len(set(lengths)) == 1
+        slots = [w.slot for _, w in entries]
+        consecutive = slots[0] >= 0 and slots == list(range(slots[0], slots[0] + len(slots)))
+        self.first_slot = slots[0] if consecutive else None
+        """The first bank row when the segments' adapters sit in consecutive rows (see `_bank_stacks`)."""
+        self.slots: torch.Tensor | None = None
+        """Bank rows of the segments' adapters, built on first use (see `_bank_stacks`)."""
+        self.written: set[tuple[int, int]] = set()
+        """The pass's gradient rows already written (`PassPlan.written`, see worker/engine/grad_rows.py)."""
+        self._device = device
+        self._trigger: torch.Tensor | None = None
+        dtype = entries[0][1].A.dtype
+        self.scale = torch.tensor([w.scale for _, w in entries], dtype=dtype, device=device)[:, None, None]
+        if self.grouped and not self.uniform:
+            self._index(entries, lengths, tokens, device)
+
+    def trigger(self) -> torch.Tensor:
+        """A leaf that requires grad, handed to `GroupedLoraDelta` instead of the factors when all of them
+        are banked (their gradients bypass autograd), so the node still joins the graph."""
+        if self._trigger is None:
+            self._trigger = torch.zeros((), device=self._device, requires_grad=True)
+        return self._trigger
+
+    def _index(self, entries: list[tuple[Segment, LoraWeights]], lengths: list[int], tokens: int,
+               device: torch.device) -> None:
+        offsets = torch.arange(max(lengths))
         starts = torch.tensor([s.start for s, _ in entries])[:, None]
-        lens = torch.tensor(lengths)[:, None]
-        inside = offsets[None, :] < lens
+        inside = offsets[None, :] < torch.tensor(lengths)[:, None]
         self.gather = torch.where(inside, starts + offsets[None, :], tokens).to(device)
         self.valid = inside.reshape(-1).nonzero().squeeze(1).to(device)
         self.positions = torch.cat([torch.arange(s.start, s.end) for s, _ in entries]).to(device)
-        self.covers_all = sum(lengths) == tokens
-        self.uniform = self.covers_all and len(set(lengths)) == 1
-        dtype = entries[0][1].A.dtype
-        self.scale = torch.tensor([w.scale for _, w in entries], dtype=dtype, device=device)[:, None, None]
-        self.slots: torch.Tensor | None = None
-        """Bank rows of the segments' adapters, built on first use (see `_bank_stacks`)."""
 
 
-def _layout(plan: PassPlan, entries: list[tuple[Segment, LoraWeights]], tokens: int,
-            device: torch.device) -> _Layout:
-    key = tuple((s.start, s.end, w.A.shape[0], w.scale, w.slot) for s, w in entries)
+def _worth_grouping(lengths: list[int], ranks: list[int]) -> bool:
+    """`auto`'s cost model: group unless padding would waste more than `_MAX_PADDING_WASTE` of the FLOPs."""
+    used = sum(n * r for n, r in zip(lengths, ranks, strict=True))
+    return used >= (1 - _MAX_PADDING_WASTE) * len(lengths) * max(lengths) * max(ranks)
+
+
+def _layout(plan: PassPlan, entries: list[tuple[Segment, LoraWeights]], tokens: int, device: torch.device,
+            strategy: str) -> _Layout:
+    # A segment is one adapter: its rank, scale and bank row are the same in every layer, so which segments
+    # a layer serves is the whole key (the plan keeps its segments alive: their ids stay unique).
+    key = tuple(id(s) for s, _ in entries)
     layout = plan.layouts.get(key)
     if layout is None:
-        layout = _Layout(entries, tokens, device)
+        layout = _Layout(entries, tokens, device, strategy)
+        layout.written = plan.written
         plan.layouts[key] = layout
     return layout  # type: ignore[return-value]
 

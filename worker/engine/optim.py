@@ -5,69 +5,116 @@ The state is plain tensors (not a `torch.optim.AdamW`) so we can snapshot, spill
 bit-for-bit. The update itself is torch's fused AdamW kernel (one pass over memory for all of the
 adapter's tensors): with many tenants, optimizer steps are memory-bound and their count grows with the
 number of adapters, so a single fused pass matters. A `_foreach_*` fallback covers builds without it.
+
+A step has two halves. `prepare_step` runs when the call arrives: it decides whether there is anything
+to update, and clips (which needs this adapter's gradient norm, a metric the caller gets back).
+`apply_step` / `apply_rows` do the update. `apply_rows` updates several banked adapters that share the
+hyper-parameters and step count at once, over their consecutive bank rows: one tensor per layer and
+factor instead of one per adapter, layer and factor. The kernel's per-tensor cost (a parallel region
+each) was a third of the optimizer's time with eight small adapters; worker/engine/deferred_steps.py
+gathers the steps that can go together.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from services.domain.training import AdamParams
 from worker.engine.adapters import AdapterState
+from worker.engine.banks import ClassBank
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_step(adapter: AdapterState, hp: AdamParams) -> dict[str, float]:
-    """Apply one AdamW step with `hp` to every parameter that has a gradient; then zero gradients.
+    """Apply one AdamW step with `hp` to every parameter that has a gradient; then zero gradients."""
+    metrics, ready = prepare_step(adapter, hp)
+    if ready:
+        apply_step(adapter, hp)
+    return metrics
+
+
+def prepare_step(adapter: AdapterState, hp: AdamParams) -> tuple[dict[str, float], bool]:
+    """The step's metrics, with the gradient clipped in place when `hp` asks; False when there is no
+    gradient to apply (the step is then complete: nothing changes but the gradient count).
 
     The global gradient norm is computed only when clipping needs it: it is a full extra read of the
     gradients, a cost every tenant would pay on every step for a metric.
     """
-    # `.grad` read once per parameter: with many tenants this bookkeeping is a visible part of the step.
-    with_grads = [(k, p, g) for k, p in sorted(adapter.params.items()) if (g := p.grad) is not None]
+    grads = adapter.grads()
     metrics = {"learning_rate:mean": hp.learning_rate}
-    if not with_grads:
+    if not grads:
         adapter.zero_grad()
-        return metrics
-    names, params, grads = (list(column) for column in zip(*with_grads, strict=True))
+        return metrics, False
+    if hp.grad_clip_norm > 0:
+        grad_norm = _global_grad_norm(list(grads.values()))
+        metrics["grad_norm:mean"] = grad_norm
+        clip = _clip_coefficient(grad_norm, hp.grad_clip_norm)
+        if clip != 1.0:
+            with torch.no_grad():
+                torch._foreach_mul_(list(grads.values()), clip)  # the gradient is consumed by this step
+    return metrics, True
+
+
+def apply_step(adapter: AdapterState, hp: AdamParams) -> None:
+    """Update one adapter from its (prepared) gradient, then zero the gradient."""
+    by_name = adapter.grads()
+    names, grads = list(by_name), list(by_name.values())
+    params = [adapter.params[name] for name in names]
     state = adapter.optimizer
     state.step += 1
-    m, v = _moments(state.exp_avg, names, params), _moments(state.exp_avg_sq, names, params)
+    m, v = (_moments(adapter, kind, names) for kind in MOMENTS)
     with torch.no_grad():
-        if hp.grad_clip_norm > 0:
-            grad_norm = _global_grad_norm(grads)
-            metrics["grad_norm:mean"] = grad_norm
-            clip = _clip_coefficient(grad_norm, hp.grad_clip_norm)
-            if clip != 1.0:
-                grads = torch._foreach_mul(grads, clip)
-        if _HAS_FUSED:
-            _fused_update(params, grads, m, v, hp, state.step)
-        else:
-            _update(params, grads, m, v, hp, state.step)
+        _update(params, grads, m, v, hp, state.step)
     adapter.zero_grad()
-    return metrics
 
 
-def _moments(store: dict[str, torch.Tensor], names: list[str], params: list[torch.Tensor]) -> list[torch.Tensor]:
-    for name, p in zip(names, params, strict=True):
+def apply_rows(bank: ClassBank, start: int, adapters: Sequence[AdapterState], hp: AdamParams) -> None:
+    """Update adapters sitting in rows [start, start + len(adapters)) of `bank`, all with a prepared
+    gradient and the same step count, as if each had stepped alone; then zero their gradients."""
+    stop = start + len(adapters)
+    for adapter in adapters:  # moment entries exist (as row views) after a step, as for `apply_step`
+        for kind in MOMENTS:
+            _moments(adapter, kind, list(adapter.params))
+        adapter.optimizer.step += 1
+    params, grads = bank.runs("", start, stop), bank.runs("grad", start, stop)
+    m, v = bank.runs("exp_avg", start, stop), bank.runs("exp_avg_sq", start, stop)
+    with torch.no_grad():
+        _update(params, grads, m, v, hp, adapters[0].optimizer.step)
+    for adapter in adapters:
+        adapter.zero_grad()
+
+
+def _moments(adapter: AdapterState, kind: str, names: list[str]) -> list[torch.Tensor]:
+    store: dict[str, torch.Tensor] = getattr(adapter.optimizer, kind)
+    for name in names:
         if name not in store:
-            store[name] = torch.zeros_like(p)
+            placement = adapter.placement
+            store[name] = (placement.moment_row(kind, name).zero_() if placement is not None
+                           else torch.zeros_like(adapter.params[name]))
     return [store[n] for n in names]
 
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 
 
-def _fused_update(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
-                  v: list[torch.Tensor], hp: AdamParams, step: int) -> None:
+def _update(params: Sequence[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+            v: list[torch.Tensor], hp: AdamParams, step: int) -> None:
+    params = list(params)
+    if not _HAS_FUSED:
+        _foreach_update(params, grads, m, v, hp, step)
+        return
     # The kernel reads the (already incremented) step for bias correction; one shared scalar suffices.
     steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
     torch._fused_adamw_(params, grads, m, v, [], steps, lr=hp.learning_rate, beta1=hp.beta1, beta2=hp.beta2,
                         weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False)
 
 
-def _update(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
-            v: list[torch.Tensor], hp: AdamParams, step: int) -> None:
+def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+                    v: list[torch.Tensor], hp: AdamParams, step: int) -> None:
     bias1 = 1 - hp.beta1**step
     bias2 = 1 - hp.beta2**step
     torch._foreach_mul_(m, hp.beta1)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from services.domain.training import Datum
+from worker.engine.grad_rows import settle
 from worker.engine.losses import LOSSES
 from worker.engine.model import LoadedModel
 from worker.engine.passes import LoraWeights, PassPlan, Segment
@@ -52,6 +53,7 @@ def run_packed_pass(lm: LoadedModel, items: list[PackedItem]) -> list[ItemOutput
         outputs, total = _losses(lm, items, logits)
         if train and total is not None and total.requires_grad:
             total.backward()
+            settle((item.weights for item in items if item.train and item.weights is not None), plan.written)
     return outputs
 
 

@@ -16,12 +16,34 @@ import torch
 
 @dataclass
 class LayerBank:
-    """One layer's factors of every adapter in a bank (worker/engine/banks.py), stacked row by row."""
+    """One layer's factors of every adapter in a bank (worker/engine/banks.py), stacked row by row, and the
+    rows their gradients accumulate in."""
 
     A: torch.Tensor
     """(rows, rank, in_features)"""
     B: torch.Tensor
     """(rows, out_features, rank)"""
+    grad_A: torch.Tensor
+    """Gradients of `A`, row by row (meaningful only for adapters whose `GradRows.valid` is set)."""
+    grad_B: torch.Tensor
+    exp_avg_A: torch.Tensor
+    """AdamW first moments of `A`, row by row (the adapters' `OptimizerState` entries are views of them)."""
+    exp_avg_B: torch.Tensor
+    exp_avg_sq_A: torch.Tensor
+    exp_avg_sq_B: torch.Tensor
+
+    def rows(self, kind: str, factor: str) -> torch.Tensor:
+        """The stack of `kind` ("" for the factors, "grad", "exp_avg", "exp_avg_sq") of factor "A" or "B"."""
+        return getattr(self, f"{kind}_{factor}" if kind else factor)
+
+
+@dataclass
+class GradRows:
+    """Whether a banked adapter's gradient rows hold its accumulated gradient. When not, they hold stale
+    values and the adapter's next pass overwrites them instead of adding to them: an optimizer step then
+    needs no zeroing pass over the gradients."""
+
+    valid: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,8 +57,11 @@ class LoraWeights:
     scale: float
     bank: LayerBank | None = None
     """The stack `A` and `B` are row `slot` of, when the adapter is resident in a bank; a grouped pass
-    reads the stack instead of copying the factors together."""
+    reads the stack instead of copying the factors together, and writes the factors' gradients into the
+    bank's gradient rows (autograd accumulates them into `.grad` only for factors outside any bank)."""
     slot: int = -1
+    grad_rows: GradRows | None = None
+    """The adapter's gradient-row state (set with `bank`)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,8 @@ class PassPlan:
     """Packed training layout: lengths of the sequences laid end to end in one row (None = padded batch)."""
     layouts: dict[tuple[object, ...], object] = field(default_factory=dict)
     """Per-pass cache of the grouped LoRA strategy's index tensors (layers with equal layouts share)."""
+    written: set[tuple[int, int]] = field(default_factory=set)
+    """Gradient rows (id of the row stack, row) this pass has written: a second write adds to the first."""
 
 
 @dataclass

@@ -67,6 +67,9 @@ class AdapterSlots:
     def resident_ids(self) -> list[AdapterId]:
         return list(self._resident)
 
+    def is_resident(self, adapter_id: AdapterId) -> bool:
+        return adapter_id in self._resident
+
     def put(self, state: AdapterState, pinned: Iterable[AdapterId] = ()) -> None:
         self.drop(state.adapter_id)
         self.banks.place(state)
