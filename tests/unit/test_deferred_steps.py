@@ -133,3 +133,21 @@ def test_stepping_a_spilled_tenant_applies_pending_steps_before_it_evicts_their_
     for aid in (IDS[2], IDS[3]):
         for key, value in _state(reference, aid).items():
             assert torch.equal(_state(engine, aid)[key], value), f"{aid} {key}"
+
+
+def test_tenants_in_scattered_rows_step_in_runs_of_consecutive_rows(tiny_model_dir: Path) -> None:
+    """t2 does not step: t0 and t1 share one update call, t3 has its own, all equal to stepping at once."""
+    together, at_once = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    stepping = [IDS[0], IDS[1], IDS[3]]
+    for engine, each_at_once in ((together, False), (at_once, True)):
+        engine.forward_backward([_work(aid, i) for i, aid in enumerate(IDS)])
+        for aid in stepping:
+            engine.optim_step(aid, HP)
+            if each_at_once:
+                engine.apply_pending_steps()
+        engine.apply_pending_steps()
+    assert together.steps.batched_calls == 2 and at_once.steps.batched_calls == 3
+    for aid in IDS:
+        for key, value in _state(at_once, aid).items():
+            assert torch.equal(_state(together, aid)[key], value), f"{aid} {key}"
+    assert together.adapter(IDS[2]).grads() and together.adapter(IDS[2]).optimizer.step == 0

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from services.domain.training import AdamParams, AdapterId
 from worker.engine.adapters import AdapterState
+from worker.engine.banks import ClassBank
 from worker.engine.optim import apply_rows, apply_step
 
 
@@ -46,33 +47,32 @@ class DeferredSteps:
     def apply_all(self) -> None:
         """Apply every pending step; adapters that can share an update call do."""
         pending, self._pending = self._pending, {}
-        groups: dict[tuple[object, ...], list[AdapterState]] = {}
+        groups: dict[tuple[object, ...], tuple[ClassBank, AdamParams, list[tuple[int, AdapterState]]]] = {}
         for state, hp in pending.values():
             placement = state.placement
             if placement is None:  # not banked: nothing to share
                 apply_step(state, hp)
                 self.batched_calls += 1
                 continue
-            key = (id(placement.bank), replace(hp, grad_clip_norm=0.0), state.optimizer.step)  # clipped already
-            groups.setdefault(key, []).append(state)
-        for states in groups.values():
-            hp = pending[states[0].adapter_id][1]
-            for run in _consecutive_runs(states):
+            update = replace(hp, grad_clip_norm=0.0)  # clipping is done (prepare_step): it does not split groups
+            key = (id(placement.bank), update, state.optimizer.step)
+            groups.setdefault(key, (placement.bank, update, []))[2].append((placement.slot, state))
+        for bank, hp, members in groups.values():
+            for start, run in _consecutive_runs(members):
                 if len(run) == 1:  # its own cached views are cheaper than cutting every stack
                     apply_step(run[0], hp)
                 else:
-                    apply_rows(run[0].placement.bank, run[0].placement.slot, run, hp)  # type: ignore[union-attr]
+                    apply_rows(bank, start, run, hp)
                 self.batched_calls += 1
 
 
-def _consecutive_runs(states: list[AdapterState]) -> Iterator[list[AdapterState]]:
-    """The states split into runs of consecutive bank rows, in row order."""
-    ordered = sorted(states, key=lambda s: s.placement.slot)  # type: ignore[union-attr]
-    run: list[AdapterState] = []
-    for state in ordered:
-        if run and state.placement.slot != run[-1].placement.slot + 1:  # type: ignore[union-attr]
-            yield run
-            run = []
+def _consecutive_runs(members: list[tuple[int, AdapterState]]) -> Iterator[tuple[int, list[AdapterState]]]:
+    """(first row, states) for each run of consecutive bank rows, in row order."""
+    ordered = sorted(members, key=lambda member: member[0])
+    start, run = ordered[0][0], [ordered[0][1]]
+    for slot, state in ordered[1:]:
+        if slot != start + len(run):
+            yield start, run
+            start, run = slot, []
         run.append(state)
-    if run:
-        yield run
+    yield start, run
