@@ -67,6 +67,33 @@ def test_growing_keeps_every_adapter_and_its_updates() -> None:
     assert banks.rows_in_use() == 9
 
 
+def _training_state(s: AdapterState, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts = {"grad": grads, "m": s.optimizer.exp_avg, "v": s.optimizer.exp_avg_sq}
+    return {f"{kind}:{k}": t.clone() for kind, d in parts.items() for k, t in d.items()}
+
+
+def test_growing_keeps_pending_gradients_and_moments_in_the_rows() -> None:
+    """Adapters placed with a pending gradient and AdamW moments keep both, as row views, across growth."""
+    states = [_state(f"a{i}", i) for i in range(9)]
+    expected = []
+    for i, s in enumerate(states):
+        gen = torch.Generator().manual_seed(100 + i)
+        for key, p in s.params.items():
+            p.grad = torch.randn(p.shape, generator=gen)
+            s.optimizer.exp_avg[key] = torch.randn(p.shape, generator=gen)
+            s.optimizer.exp_avg_sq[key] = torch.rand(p.shape, generator=gen)
+        expected.append(_training_state(s, {k: p.grad for k, p in s.params.items()}))
+    banks = AdapterBanks()
+    for s in states:
+        banks.place(s)  # several growths: every earlier row is copied to new storage
+    for s, want in zip(states, expected, strict=True):
+        _same(_training_state(s, s.grads()), want)
+        layer, slot = s.placement.layers["lin"], s.placement.slot
+        assert s.optimizer.exp_avg["lin.lora_A"].data_ptr() == layer.exp_avg_A[slot].data_ptr()
+        assert s.grads()["lin.lora_B"].data_ptr() == layer.grad_B[slot].data_ptr()
+        assert all(p.grad is None for p in s.params.values())
+
+
 def test_released_adapter_keeps_its_values_when_the_row_is_reused() -> None:
     banks = AdapterBanks()
     old, new = _state("old", 1), _state("new", 2)

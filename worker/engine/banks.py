@@ -87,30 +87,38 @@ class ClassBank:
     def take(self, state: AdapterState) -> int:
         """Move `state`'s factors, pending gradient and moments into the lowest free row; its parameters
         and moment entries become views of that row."""
+        slot = self._free_slot()
+        self._owners[slot] = state
+        with torch.no_grad():
+            for key, row in self.rows("", slot):
+                row.copy_(state.params[key].data)
+                state.params[key].data = row
+            state.grad_rows.valid = self._adopt_grads(state, slot)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                _adopt_moments(getattr(state.optimizer, kind), self.rows(kind, slot))
+        return slot
+
+    def _free_slot(self) -> int:
         slot = next((i for i, owner in enumerate(self._owners) if owner is None), None)
         if slot is None:
             slot = len(self._owners)
             # Grow by a quarter: a row is an adapter's worth of factors (45 MB at rank 32 on SmolLM2-135M),
             # so doubling would leave up to half the bank idle; growing copies the bank, once per growth.
             self._grow(max(slot + 1, slot * 5 // 4))
-        self._owners[slot] = state
-        had_grads = any(p.grad is not None for p in state.params.values())
-        with torch.no_grad():
-            for key, row in self.rows("", slot):
-                row.copy_(state.params[key].data)
-                state.params[key].data = row
-            if had_grads:  # an adapter coming back with a pending gradient keeps it, in its rows
-                for key, row in self.rows("grad", slot):
-                    grad = state.params[key].grad
-                    if grad is None:
-                        row.zero_()
-                    else:
-                        row.copy_(grad)
-                    state.params[key].grad = None
-            for kind in ("exp_avg", "exp_avg_sq"):
-                _adopt_moments(getattr(state.optimizer, kind), self.rows(kind, slot))
-        state.grad_rows.valid = had_grads
         return slot
+
+    def _adopt_grads(self, state: AdapterState, slot: int) -> bool:
+        """An adapter coming back with a pending gradient keeps it, in its rows; True if it had one."""
+        if all(p.grad is None for p in state.params.values()):
+            return False
+        for key, row in self.rows("grad", slot):
+            grad = state.params[key].grad
+            if grad is None:
+                row.zero_()
+            else:
+                row.copy_(grad)
+            state.params[key].grad = None
+        return True
 
     def give_back(self, state: AdapterState, slot: int) -> None:
         """Give `state` private copies of its factors, moments and pending gradient; free its row."""
