@@ -47,7 +47,7 @@ class BankPlacement:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The adapter's gradient rows as views, by parameter name."""
-        return {key: row for key, row in self.bank.rows("grad", self.slot)}
+        return dict(self.bank.rows("grad", self.slot))
 
     def moment_row(self, kind: str, key: str) -> torch.Tensor:
         """The adapter's row of AdamW moment `kind` ("exp_avg" or "exp_avg_sq") for parameter `key`."""

@@ -249,11 +249,11 @@ class _Layout:
     for them and, for the grouped one, its index tensors. Computed once per pass, not once per layer."""
 
     def __init__(self, entries: list[tuple[Segment, LoraWeights]], tokens: int, device: torch.device,
-                 strategy: str) -> None:
+                 strategy: str, written: set[tuple[int, int]] | None = None) -> None:
         lengths = [s.end - s.start for s, _ in entries]
-        self.ranks = [w.A.shape[0] for _, w in entries]
-        self.rank = max(self.ranks)
-        self.grouped = strategy == "grouped" or (strategy == "auto" and _worth_grouping(lengths, self.ranks))
+        ranks = [w.A.shape[0] for _, w in entries]
+        self.rank = max(ranks)
+        self.grouped = strategy == "grouped" or (strategy == "auto" and _worth_grouping(lengths, ranks))
         self.covers_all = sum(lengths) == tokens
         self.uniform = self.covers_all and len(set(lengths)) == 1
         slots = [w.slot for _, w in entries]
@@ -262,7 +262,7 @@ class _Layout:
         """The first bank row when the segments' adapters sit in consecutive rows (see `_bank_stacks`)."""
         self.slots: torch.Tensor | None = None
         """Bank rows of the segments' adapters, built on first use (see `_bank_stacks`)."""
-        self.written: set[tuple[int, int]] = set()
+        self.written = written if written is not None else set()
         """The pass's gradient rows already written (`PassPlan.written`, see worker/engine/grad_rows.py)."""
         self._device = device
         self._trigger: torch.Tensor | None = None
@@ -301,8 +301,7 @@ def _layout(plan: PassPlan, entries: list[tuple[Segment, LoraWeights]], tokens: 
     key = tuple(id(s) for s, _ in entries)
     layout = plan.layouts.get(key)
     if layout is None:
-        layout = _Layout(entries, tokens, device, strategy)
-        layout.written = plan.written
+        layout = _Layout(entries, tokens, device, strategy, plan.written)
         plan.layouts[key] = layout
     return layout  # type: ignore[return-value]
 

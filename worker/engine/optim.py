@@ -29,14 +29,6 @@ from worker.engine.banks import ClassBank
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def adamw_step(adapter: AdapterState, hp: AdamParams) -> dict[str, float]:
-    """Apply one AdamW step with `hp` to every parameter that has a gradient; then zero gradients."""
-    metrics, ready = prepare_step(adapter, hp)
-    if ready:
-        apply_step(adapter, hp)
-    return metrics
-
-
 def prepare_step(adapter: AdapterState, hp: AdamParams) -> tuple[dict[str, float], bool]:
     """The step's metrics, with the gradient clipped in place when `hp` asks; False when there is no
     gradient to apply (the step is then complete: nothing changes but the gradient count).
