@@ -16,7 +16,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from deploy.settings import ServiceSettings
-from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key, issue_api_key
+from services.admin import actions
+from services.admin.actions import CLI_ACTOR
+from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key
 from services.db import Database, open_database
 from services.db.engine import is_sqlite
 from services.db.errors import ConflictError
@@ -28,8 +30,6 @@ from services.db.tenants import (
     get_tenant,
     get_tenant_by_name,
     list_tenants,
-    revoke_api_keys_by_prefix,
-    set_tenant_quotas,
     tenant_quotas,
 )
 
@@ -92,8 +92,8 @@ def create_tenant(settings: ServiceSettings, name: str, *, is_admin: bool = Fals
                   max_models: int | None = None) -> tuple[Tenant, IssuedKey]:
     try:
         with admin_transaction(settings) as session:
-            return create_tenant_with_key(session, name, is_admin=is_admin,
-                                          quotas=TenantQuotas(max_models=max_models))
+            return actions.create_tenant(session, CLI_ACTOR, name, is_admin=is_admin,
+                                         quotas=TenantQuotas(max_models=max_models))
     except ConflictError as exc:
         raise AdminError(str(exc)) from exc
 
@@ -115,8 +115,16 @@ def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) ->
         current = asdict(tenant_quotas(row))
         merged = {k: (v if changes.get(k) is None else (changes[k] or None)) for k, v in current.items()}
         quotas = TenantQuotas(**merged)
-        set_tenant_quotas(session, TenantId(row.id), quotas)
+        actions.set_quotas(session, CLI_ACTOR, row, quotas)
         return row.name, quotas
+
+
+def set_disabled(settings: ServiceSettings, tenant: str, disabled: bool) -> str:
+    """Disable (or re-enable) a tenant: its keys stop authenticating at once. Returns the tenant's name."""
+    with admin_transaction(settings) as session:
+        row = _named_tenant(session, tenant)
+        actions.set_disabled(session, CLI_ACTOR, TenantId(row.id), disabled)
+        return row.name
 
 
 def tenant_summaries(settings: ServiceSettings) -> list[TenantSummary]:
@@ -132,19 +140,17 @@ def create_key(settings: ServiceSettings, tenant: str) -> tuple[str, IssuedKey]:
     """A new key for the tenant named (or with the id) `tenant`; returns (tenant name, key)."""
     with admin_transaction(settings) as session:
         row = _named_tenant(session, tenant)
-        return row.name, issue_api_key(session, TenantId(row.id), label="cli")
+        return row.name, actions.create_key(session, CLI_ACTOR, TenantId(row.id), label="cli")
 
 
 def revoke_keys(settings: ServiceSettings, prefix: str) -> int:
     """Revoke every live key whose display prefix is `prefix`; returns how many."""
     with admin_transaction(settings) as session:
-        owners = session.scalars(
-            select(ApiKeyRow.tenant_id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
-        ).all()
-        if not owners:
+        count = actions.revoke_keys_by_prefix(session, CLI_ACTOR, prefix)
+        if not count:
             raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
                              "key (e.g. tml-AbCdEfGh)")
-        return sum(revoke_api_keys_by_prefix(session, TenantId(t), prefix) for t in set(owners))
+        return count
 
 
 def bootstrap_admin(db: Database, out: TextIO) -> bool:

@@ -115,6 +115,22 @@ def tenants_set_quota(
                f"max_concurrent={shown(quotas.max_concurrent_requests)} max_models={shown(quotas.max_models)}")
 
 
+@tenants_app.command("disable")
+def tenants_disable(
+    name: str = typer.Argument(..., help="Tenant name (or id)."),
+    enable: bool = typer.Option(False, "--enable", help="Re-enable the tenant instead."),
+    data_dir: Path | None = _data_dir_option(),
+) -> None:
+    """Disable a tenant (its keys stop authenticating) or, with --enable, re-enable it. Audited."""
+    from deploy.admin import AdminError, set_disabled
+
+    try:
+        tenant = set_disabled(_settings(data_dir=data_dir), name, not enable)
+    except AdminError as exc:
+        fail(str(exc))
+    typer.echo(f"{'enabled' if enable else 'disabled'} {tenant}")
+
+
 @tenants_app.command("list")
 def tenants_list(data_dir: Path | None = _data_dir_option()) -> None:
     """List tenants with their live key counts and quotas ("-": the server default applies)."""

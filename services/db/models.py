@@ -236,3 +236,51 @@ class HubPushRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+class AuditLogRow(Base):
+    """One operator action (key created/revoked, quota changed, tenant disabled, ...), CLI and dashboard alike.
+
+    Append-only. `actor_*` name who acted (NULL tenant: the CLI, run with database access rather than a
+    key); `tenant_id` is the tenant affected, kept without a foreign key so the record outlives the tenant.
+    """
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index(None, "tenant_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    actor_tenant_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    actor_key_prefix: Mapped[str | None] = mapped_column(String(32))
+    action: Mapped[str] = mapped_column(String(64))
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(256))
+    tenant_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON_DOCUMENT)
+
+
+class AdminSessionRow(Base):
+    """A dashboard login: opaque and server-side, so logging out or revoking its key ends it at once.
+
+    `id` is the SHA-256 of the cookie's token (a leaked table grants no session); the session is bound to
+    the API key that created it (revoking the key ends the session, deleting it removes the row).
+    """
+
+    __tablename__ = "admin_sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[ApiKeyId] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[TenantId] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+
+
+# Indexes for the operators' dashboard (migration 0005): its cross-tenant pages list newest first, and
+# without these each page is a sort of the whole table (seconds at a few hundred thousand requests).
+Index("ix_requests_created_at", RequestRow.created_at)
+Index("ix_training_runs_last_request_at", TrainingRunRow.last_request_at)
+Index("ix_checkpoints_created_at", CheckpointRow.created_at)
+Index("ix_usage_bucket_start", UsageRow.bucket_start)
