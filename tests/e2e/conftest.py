@@ -59,16 +59,43 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("e2e_mode", modes, indirect=True, scope="module")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """E2e tests run in file order within their module and mode (pytest-randomly shuffles the rest).
+
+    A module shares one server (a model that trains on, checkpoints that pile up); its tests are scenarios
+    read top to bottom, and a shuffle of them would test the shuffle. Runs after pytest's own grouping of
+    module-scoped parameters, so each (module, mode) keeps its one server start.
+    """
+    first_seen: dict[tuple[str, str], int] = {}
+    for index, item in enumerate(items):
+        if _is_e2e(item):
+            first_seen.setdefault(_module_and_mode(item), index)
+    positions = [i for i, item in enumerate(items) if _is_e2e(item)]
+    ordered = sorted((items[i] for i in positions),
+                     key=lambda item: (first_seen[_module_and_mode(item)], item.reportinfo()[1] or 0, item.nodeid))
+    for position, item in zip(positions, ordered, strict=True):
+        items[position] = item
+
+
+def _is_e2e(item: pytest.Item) -> bool:
+    return Path(str(item.path)).parent == Path(__file__).parent
+
+
+def _module_and_mode(item: pytest.Item) -> tuple[str, str]:
+    callspec = getattr(item, "callspec", None)
+    mode = callspec.params.get("e2e_mode", "embedded") if callspec is not None else "embedded"
+    return str(item.path), str(mode)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def e2e_mode(request: pytest.FixtureRequest) -> Iterator[str]:
     """The mode this module's servers start in (autouse: module-local `server` fixtures follow it too)."""
     mode = getattr(request, "param", "embedded")
     if mode == "cluster":
-        from tests.e2e.cluster_mode import unavailable_reason
+        from tests.e2e.cluster_mode import require_cluster_services
 
-        reason = unavailable_reason()
-        if reason is not None:
-            pytest.skip(f"cluster mode unavailable: {reason}")
+        require_cluster_services()
     set_default_mode(mode)
     try:
         yield mode

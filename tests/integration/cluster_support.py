@@ -41,7 +41,19 @@ from tests.e2e.server import free_port
 from worker.engine.engine import Engine, EngineConfig
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def postgres_bin_dir() -> Path | None:
+    """Where `initdb` and `pg_ctl` live: `pg_config --bindir` when it has them, else the newest
+    /usr/lib/postgresql/<version>/bin (Debian keeps them off PATH); None when PostgreSQL is not installed."""
+    candidates: list[Path] = []
+    if (pg_config := shutil.which("pg_config")) is not None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            candidates.append(Path(subprocess.run([pg_config, "--bindir"], capture_output=True, text=True,
+                                                  check=True, timeout=10).stdout.strip()))
+    versions = [p for p in Path("/usr/lib/postgresql").glob("*/bin") if p.parent.name.isdigit()]
+    candidates += sorted(versions, key=lambda p: int(p.parent.name), reverse=True)
+    return next((c for c in candidates if (c / "initdb").is_file() and (c / "pg_ctl").is_file()), None)
 BASE = "carpool/tiny-cluster"
 
 
@@ -173,9 +185,11 @@ class PrivateRedis:
 
 
 class PrivatePostgres:
-    """A PostgreSQL 15 cluster of our own in a temp dir (run as the postgres user: initdb refuses root)."""
+    """A PostgreSQL cluster of our own in a temp dir (run as the postgres user: initdb refuses root), made
+    with the binaries in `bin_dir` (see `postgres_bin_dir`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin_dir = bin_dir
         # Not under pytest's tmp dir: the postgres user cannot traverse root's private directories.
         self.dir = Path(tempfile.mkdtemp(prefix="carpool-pg-"))
         self.data = self.dir / "pgdata"
@@ -206,7 +220,7 @@ class PrivatePostgres:
 
     def _pg(self, tool: str, *args: str) -> None:
         user = [] if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--"]
-        subprocess.run([*user, str(PG_BIN / tool), *args], check=True, capture_output=True, timeout=60)
+        subprocess.run([*user, str(self.bin_dir / tool), *args], check=True, capture_output=True, timeout=60)
 
 
 def _pings(client: redis.Redis) -> bool:

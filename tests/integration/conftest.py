@@ -25,11 +25,12 @@ from services.control.registry import ServedModel
 from services.db import Database, database_url_for_data_dir, open_database
 from services.db.ids import RequestId, SessionId
 from services.db.tenants import TenantQuotas
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
 from services.runtime import LoopConfig, SchedulerLoop
 from services.scheduler import Scheduler, SchedulerLimits
 from services.storage import LocalCheckpointStore, UrlSigner
+from tests.required import require_postgres
 from worker.engine.engine import Engine, EngineConfig
 
 T = TypeVar("T")
@@ -121,9 +122,7 @@ def harness(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
 
 @pytest.fixture
 def postgres_harness(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_postgres()
     with scratch_postgres_database() as url:
         h = build_harness(url, tiny_model_dir, tmp_path)
         yield h
@@ -138,9 +137,7 @@ def database(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         yield database
         database.dispose()
         return
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_postgres()
     with scratch_postgres_database() as url:
         database = open_database(url, migrate=True)
         yield database

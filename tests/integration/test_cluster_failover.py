@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
 from services.runtime.redis_replicas import ClusterKeys, connect
 from tests.e2e.server import CARPOOL
 from tests.integration.cluster_support import (
@@ -36,6 +36,7 @@ from tests.integration.cluster_support import (
     train_all,
     wait_until,
 )
+from tests.required import require_postgres
 
 TENANTS = 6
 STEPS = 6
@@ -43,9 +44,7 @@ STEPS = 6
 
 @pytest.fixture
 def stack(tmp_path: Path, tiny_model_dir: Path) -> Iterator[ClusterStack]:
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_postgres()
     with scratch_postgres_database() as url, scratch_prefix() as prefix:
         settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL, prefix)
         stack = ClusterStack(settings)

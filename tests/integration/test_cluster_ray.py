@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
+from ray import serve
 
 from deploy.cluster_wiring import cluster_config
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
 from services.runtime.redis_replicas import ClusterKeys, RedisReplicaLink, connect
 from tests.integration.cluster_support import (
     BASE,
@@ -35,9 +37,7 @@ from tests.integration.cluster_support import (
     train_all,
     wait_until,
 )
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+from tests.required import require_postgres
 
 TENANTS = 6
 STEPS = 6
@@ -61,8 +61,7 @@ def test_killed_replica_and_restarted_gateway_lose_nothing(ray_instance: None, t
                                                            tiny_model_dir: Path) -> None:
     from worker.serve.app import deploy_workers, remove_workers
 
-    if (reason := postgres_unavailable_reason()) is not None:
-        pytest.skip(reason)
+    require_postgres()
     with scratch_postgres_database() as url, scratch_prefix() as prefix:
         settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL, prefix,
                                     replicas=2, replica_num_cpus=0.5)

@@ -14,9 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
 from tests.integration.cluster_support import (
     REDIS_URL,
     ClusterStack,
@@ -25,12 +23,14 @@ from tests.integration.cluster_support import (
     cluster_settings,
     create_tenant_keys,
     max_difference,
+    postgres_bin_dir,
     prepared_database,
     reference_weights,
     saved_weights,
     scratch_prefix,
     train_all,
 )
+from tests.required import missing, require_postgres
 
 TENANTS = 3
 STEPS = 6
@@ -65,8 +65,7 @@ def _train_through(stack: ClusterStack, fault: Callable[[], None], model_dir: Pa
 
 
 def test_redis_restart_loses_nothing_acknowledged(tmp_path: Path, tiny_model_dir: Path) -> None:
-    if (reason := postgres_unavailable_reason()) is not None:
-        pytest.skip(reason)
+    require_postgres()
     redis_server = PrivateRedis(tmp_path / "redis")
     redis_server.start()
     with scratch_postgres_database() as url:
@@ -87,12 +86,16 @@ def test_redis_restart_loses_nothing_acknowledged(tmp_path: Path, tiny_model_dir
 
 
 def test_postgres_restart_is_ridden_out(tmp_path: Path, tiny_model_dir: Path) -> None:
-    postgres = PrivatePostgres()
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        missing("PostgreSQL's initdb and pg_ctl", "neither `pg_config --bindir` nor /usr/lib/postgresql/*/bin "
+                "has them", "install the PostgreSQL server package (apt-get install postgresql)")
+    postgres = PrivatePostgres(bin_dir)
     try:
         postgres.init()
-    except Exception as exc:  # noqa: BLE001 - no PostgreSQL binaries or no postgres user on this box
+    except BaseException:  # the binaries are there, so a failure to start is a real error: report it
         postgres.remove()
-        pytest.skip(f"cannot run a private PostgreSQL: {exc}")
+        raise
     try:
         with scratch_postgres_database(postgres.url) as url, scratch_prefix() as prefix:
             settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL,

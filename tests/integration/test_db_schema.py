@@ -23,7 +23,8 @@ from services.db import (
 from services.db.engine import normalize_database_url
 from services.db.models import TenantRow
 from services.db.schema import MIGRATIONS_DIR_ENV, head_revision, migrations_dir
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
+from tests.required import require_postgres
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -31,9 +32,7 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield database_url_for_data_dir(tmp_path)
         return
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_postgres()
     with scratch_postgres_database(prefix="carpool_schema") as url:
         yield url
 

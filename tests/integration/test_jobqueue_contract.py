@@ -32,6 +32,7 @@ from services.jobqueue import (
 from services.jobqueue.redis_queue import RedisWorkQueue
 from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
 from services.scheduler import ModelId, QueuedRequest, RequestId, RequestKind, TenantId
+from tests.required import require_redis
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BASE = "Qwen/Qwen3-0.6B"
@@ -47,13 +48,9 @@ class Backend:
     notifier: InMemoryNotifier | RedisNotifier
 
 
-def redis_client_or_skip() -> redis.Redis:
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}")
-    return client
+def redis_client() -> redis.Redis:
+    require_redis(REDIS_URL)
+    return redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
 
 
 def delete_prefixed(client: redis.Redis, prefix: str) -> None:
@@ -67,7 +64,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "memory":
         yield Backend("memory", InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier())
         return
-    client = redis_client_or_skip()
+    client = redis_client()
     prefix = f"carpool-test-{uuid.uuid4().hex[:12]}"
     store = RedisResultStore(client, prefix=prefix)
     notifier = RedisNotifier(client, prefix=prefix)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -27,6 +26,7 @@ from services.jobqueue.codec import CodecError, decode_request, encode, encode_r
 from services.jobqueue.redis_queue import RedisWorkQueue
 from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
 from services.scheduler import ModelId, QueuedRequest, RequestId, RequestKind, TenantId
+from tests.required import require_binary, require_redis
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BASE = "base-model"
@@ -47,11 +47,8 @@ def prefix() -> str:
 
 @pytest.fixture
 def client(prefix: str) -> Iterator[redis.Redis]:
+    require_redis(REDIS_URL)
     client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2, client_name=prefix)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}")
     yield client
     keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
     if keys:
@@ -254,8 +251,7 @@ def _answers(client: redis.Redis) -> bool:
 
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server binary not installed")
+    require_binary("redis-server", "redis-server")
     server = PrivateRedis(tmp_path)
     server.start()
     yield server

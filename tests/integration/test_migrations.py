@@ -16,16 +16,15 @@ from sqlalchemy import inspect
 from services.db import DATABASE_URL_ENV, database_url_for_data_dir, make_engine
 from services.db.models import Base
 from services.db.schema import current_revision, downgrade_to_base, head_revision, upgrade_to_head
-from services.db.testing import postgres_unavailable_reason, scratch_postgres_database
+from services.db.testing import scratch_postgres_database
+from tests.required import require_postgres
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def postgres_available() -> None:
-    reason = postgres_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    require_postgres()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

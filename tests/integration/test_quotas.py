@@ -37,6 +37,7 @@ from services.db.request_log import list_requests
 from services.db.tenants import TenantQuotas, get_tenant_by_name
 from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec
 from tests.integration.conftest import BASE, Harness, build_harness
+from tests.required import require_redis
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 WINDOW_S = 2.0
@@ -177,11 +178,8 @@ def _work(n: int) -> ForwardBackwardWork:
 def redis_client() -> Iterator[object]:
     import redis
 
+    require_redis(REDIS_URL)
     client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"Redis unreachable at {REDIS_URL} (set CARPOOL_TEST_REDIS_URL): {exc}")
     yield client
     client.close()
 

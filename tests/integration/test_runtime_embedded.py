@@ -90,7 +90,6 @@ def test_embedded_service_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> No
 
 
 def test_gateway_app_is_wired_to_the_control_plane(tmp_path: Path, tiny_model_dir: Path) -> None:
-    pytest.importorskip("gateway.app")
     from fastapi.testclient import TestClient
 
     out = io.StringIO()
