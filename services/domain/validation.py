@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.domain.sampling import SampleWork
-from services.domain.training import LOSS_FNS, LOSS_INPUTS, Datum, ForwardBackwardWork
+from services.domain.training import LOSS_FNS, LOSS_INPUTS, OPTIONAL_LOSS_INPUTS, Datum, ForwardBackwardWork
 
 
 class InvalidWork(ValueError):
@@ -41,6 +41,8 @@ def validate_forward_backward(work: ForwardBackwardWork, limits: ModelLimits) ->
         raise InvalidWork("loss_fn", f"unknown loss function {work.loss_fn!r}; supported: {', '.join(LOSS_FNS)}")
     if not work.data:
         raise InvalidWork("data", "at least one datum is required")
+    if work.loss_fn == "custom" and work.custom_loss is None:
+        raise InvalidWork("loss_fn_config.loss_id", "names no custom loss of this session")
     for i, datum in enumerate(work.data):
         _validate_datum(datum, f"data[{i}]", work.loss_fn, limits)
     for key, value in work.loss_config.items():
@@ -59,11 +61,14 @@ def _validate_datum(datum: Datum, where: str, loss_fn: str, limits: ModelLimits)
         raise InvalidWork(f"{where}.loss_fn_inputs.target_tokens",
                           f"shape {tuple(targets.shape)} must be ({tokens.shape[0]},) or "
                           f"({tokens.shape[0]}, K) to align with the model input")
-    if targets.ndim == 2 and loss_fn != "cross_entropy":
+    if targets.ndim == 2 and loss_fn not in ("cross_entropy", "custom"):
         raise InvalidWork(f"{where}.loss_fn_inputs.target_tokens", f"(T, K) targets need cross_entropy, not {loss_fn}")
     _check_ids(targets, f"{where}.loss_fn_inputs.target_tokens", limits.vocab_size)
     for name in LOSS_INPUTS[loss_fn]:
         _check_float_input(inputs, name, targets.shape, where)
+    for name in OPTIONAL_LOSS_INPUTS.get(loss_fn, ()):
+        if name in inputs:
+            _check_float_input(inputs, name, targets.shape, where)
 
 
 def _check_tokens(tokens: np.ndarray, field: str, limits: ModelLimits) -> None:

@@ -10,7 +10,8 @@ that decodes either body format. Domain → wire: `ForwardBackwardResult` → `F
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,12 +19,14 @@ from services.domain import training as domain
 from services.domain.backend import BaseModelInfo
 from services.wire import proto
 from services.wire.arrays import (
-    DEFAULT_MAX_TENSOR_ELEMENTS,
     DatumArrays,
+    ElementBudget,
     ForwardBackwardCall,
     InputChunk,
+    TensorLimits,
     csr_tensor,
     dense_tensor,
+    wanted_loss_inputs,
 )
 from services.wire.errors import WireError, parse_request
 from services.wire.inputs import (
@@ -42,21 +45,20 @@ from services.wire.results import ForwardBackwardOutput, check_metrics
 _JSON_DTYPES = {"int64": np.int64, "float32": np.float32}
 
 
-def tensor_from_json(
-    td: TensorData, field: str, max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS
-) -> np.ndarray:
-    """Dense numpy array of a JSON `TensorData` (CSR densified with 0)."""
+def tensor_from_json(td: TensorData, field: str, budget: ElementBudget | None = None) -> np.ndarray:
+    """Dense numpy array of a JSON `TensorData` (CSR densified with 0), charged to `budget`."""
+    budget = budget or ElementBudget()
     try:
         values = np.asarray(td.data, dtype=_JSON_DTYPES[td.dtype])
     except (OverflowError, ValueError) as exc:
         raise WireError(f"{field}.data", f"does not fit {td.dtype}: {exc}") from exc
     if td.sparse_crow_indices is None and td.sparse_col_indices is None:
-        return dense_tensor(values, td.shape, field, max_elements)
+        return dense_tensor(values, td.shape, field, budget)
     if td.sparse_crow_indices is None or td.sparse_col_indices is None:
         raise WireError(f"{field}.sparse_crow_indices", "must be set together with sparse_col_indices")
     crow = np.asarray(td.sparse_crow_indices, dtype=np.int64)
     col = np.asarray(td.sparse_col_indices, dtype=np.int64)
-    return csr_tensor(values, crow, col, td.shape, field, max_elements)
+    return csr_tensor(values, crow, col, td.shape, field, budget)
 
 
 def chunks_from_model_input(model_input: ModelInput) -> list[InputChunk]:
@@ -82,19 +84,20 @@ def tokens_from_chunks(chunks: Sequence[InputChunk], field: str) -> np.ndarray:
     return tokens
 
 
-def datum_from_json(datum: Datum, field: str, max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> DatumArrays:
-    """A legacy JSON datum in numpy form."""
+def datum_from_json(datum: Datum, field: str, loss_fn: str, budget: ElementBudget) -> DatumArrays:
+    """A legacy JSON datum in numpy form (only the inputs `loss_fn` reads are densified)."""
+    wanted = wanted_loss_inputs(loss_fn, list(datum.loss_fn_inputs), f"{field}.loss_fn_inputs")
     return DatumArrays(
         model_input=chunks_from_model_input(datum.model_input),
         loss_fn_inputs={
-            name: tensor_from_json(td, f"{field}.loss_fn_inputs.{name}", max_elements)
-            for name, td in datum.loss_fn_inputs.items()
+            name: tensor_from_json(td, f"{field}.loss_fn_inputs.{name}", budget)
+            for name, td in datum.loss_fn_inputs.items() if name in wanted
         },
     )
 
 
 def call_from_json(
-    request: ForwardBackwardRequest | ForwardRequest, max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS
+    request: ForwardBackwardRequest | ForwardRequest, limits: TensorLimits | None = None
 ) -> ForwardBackwardCall:
     """A legacy JSON `forward_backward` / `forward` body in the same form as a protobuf one."""
     forward_only = isinstance(request, ForwardRequest)
@@ -102,8 +105,10 @@ def call_from_json(
         request.forward_input if isinstance(request, ForwardRequest) else request.forward_backward_input
     )
     prefix = "forward_input" if forward_only else "forward_backward_input"
+    budget = ElementBudget(limits)
     try:
-        data = [datum_from_json(d, f"{prefix}.data[{i}]", max_elements) for i, d in enumerate(fb_input.data)]
+        data = [datum_from_json(d, f"{prefix}.data[{i}]", fb_input.loss_fn, budget)
+                for i, d in enumerate(fb_input.data)]
     except WireError as err:
         raise err.with_ids(request.model_id, request.seq_id) from None
     return ForwardBackwardCall(
@@ -116,6 +121,42 @@ def call_from_json(
     )
 
 
+@dataclass(frozen=True)
+class ParsedForwardBackward:
+    """A parsed `forward_backward` body whose tensors are not densified yet.
+
+    The gateway reads the ids, checks that the model is the caller's, and only then calls `densify`
+    (the expensive part), so nobody can make the server allocate for a model that is not theirs.
+    """
+
+    model_id: str | None
+    seq_id: int | None
+    densify: Callable[[], ForwardBackwardCall]
+
+
+def parse_forward_backward_body(
+    body: bytes,
+    content_type: str | None,
+    content_encoding: str | None = None,
+    *,
+    legacy_forward: bool = False,
+    max_body_bytes: int = proto.DEFAULT_MAX_BODY_BYTES,
+    limits: TensorLimits | None = None,
+) -> ParsedForwardBackward:
+    """Parse a `forward_backward` body by `Content-Type` (protobuf, else legacy JSON).
+
+    `legacy_forward=True` is for `/api/v1/forward` (JSON `ForwardRequest`, always forward-only).
+    """
+    if content_type and proto.CONTENT_TYPE_PROTOBUF in content_type.lower():
+        msg = proto.parse_forward_backward_message(body, content_encoding, max_body_bytes=max_body_bytes)
+        return ParsedForwardBackward(*proto.message_ids(msg), lambda: proto.call_from_message(msg, limits))
+    raw = proto.decompress_body(body, content_encoding, max_body_bytes=max_body_bytes)
+    request: ForwardBackwardRequest | ForwardRequest = (
+        parse_request(ForwardRequest, raw) if legacy_forward else parse_request(ForwardBackwardRequest, raw)
+    )
+    return ParsedForwardBackward(request.model_id, request.seq_id, lambda: call_from_json(request, limits))
+
+
 def decode_forward_backward_body(
     body: bytes,
     content_type: str | None,
@@ -123,29 +164,28 @@ def decode_forward_backward_body(
     *,
     legacy_forward: bool = False,
     max_body_bytes: int = proto.DEFAULT_MAX_BODY_BYTES,
-    max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
+    limits: TensorLimits | None = None,
 ) -> ForwardBackwardCall:
-    """Decode a `forward_backward` body by `Content-Type` (protobuf, else legacy JSON).
+    """Parse and densify a `forward_backward` body in one go (see `parse_forward_backward_body`)."""
+    return parse_forward_backward_body(
+        body, content_type, content_encoding, legacy_forward=legacy_forward, max_body_bytes=max_body_bytes,
+        limits=limits,
+    ).densify()
 
-    `legacy_forward=True` is for `/api/v1/forward` (JSON `ForwardRequest`, always forward-only).
-    """
-    if content_type and proto.CONTENT_TYPE_PROTOBUF in content_type.lower():
-        return proto.decode_forward_backward_request(
-            body, content_encoding, max_body_bytes=max_body_bytes, max_tensor_elements=max_tensor_elements
-        )
-    raw = proto.decompress_body(body, content_encoding, max_body_bytes=max_body_bytes)
-    request: ForwardBackwardRequest | ForwardRequest = (
-        parse_request(ForwardRequest, raw) if legacy_forward else parse_request(ForwardBackwardRequest, raw)
-    )
-    return call_from_json(request, max_tensor_elements)
+
+MAX_CUSTOM_INPUT_ELEMENTS = 1 << 22
+"""Elements of one custom-loss input of one datum (its rank-0/1/2 arrays are not tied to the input length)."""
 
 
 def loss_config_to_domain(
     config: Mapping[str, float | str], field: str = "loss_fn_config"
 ) -> dict[str, float]:
-    """Numeric, finite loss hyper-parameters (text values only exist for `custom`, not served)."""
+    """Numeric, finite loss hyper-parameters (the one text value, `custom`'s `loss_id`, is taken apart
+    by `forward_backward_work`)."""
     out: dict[str, float] = {}
     for key, value in config.items():
+        if key == "loss_id":
+            continue
         if isinstance(value, str) or not np.isfinite(value):
             raise WireError(f"{field}.{key}", f"must be a finite number, got {value!r}")
         out[key] = float(value)
@@ -180,13 +220,40 @@ def datum_to_domain(datum: DatumArrays, loss_fn: domain.LossFnName, field: str) 
     if target.size and int(target.min()) < 0:
         raise WireError(target_field, "token ids must be >= 0")
     loss_inputs = {"target_tokens": target}
+    if loss_fn == "custom":
+        # The stored loss declares what it reads (and each input's rank): the control plane checks them.
+        loss_inputs.update(_custom_inputs(inputs, field))
+        return domain.Datum(tokens=tokens, loss_inputs=loss_inputs)
     for key in domain.LOSS_INPUTS[loss_fn]:
         if key == "weights" and key not in inputs:
             continue  # cross_entropy without weights: every target counts once (the SDK's own example)
+        if key == "logprobs" and loss_fn == "stable_reinforce" and key not in inputs:
+            continue  # filled from the recorded samples the datum's provenance names
         loss_inputs[key] = _float_input(
             _required_input(inputs, key, loss_fn, field), target.shape, f"{field}.loss_fn_inputs.{key}"
         )
-    return domain.Datum(tokens=tokens, loss_inputs=loss_inputs)
+    for key in domain.OPTIONAL_LOSS_INPUTS.get(loss_fn, ()):
+        if key in inputs:
+            loss_inputs[key] = _float_input(inputs[key], target.shape, f"{field}.loss_fn_inputs.{key}")
+    spans = tuple(
+        domain.SampledSpan(s.sequence_id if s.source == "sampled" else None, s.offset, s.length)
+        for s in (datum.loss_fn_input_spans or ()) if loss_fn == "stable_reinforce"
+    )
+    return domain.Datum(tokens=tokens, loss_inputs=loss_inputs, loss_spans=spans)
+
+
+def _custom_inputs(inputs: Mapping[str, np.ndarray], field: str) -> dict[str, np.ndarray]:
+    out = {}
+    for key, arr in inputs.items():
+        if key == "target_tokens":
+            continue
+        where = f"{field}.loss_fn_inputs.{key}"
+        if arr.ndim > 2 or arr.size > MAX_CUSTOM_INPUT_ELEMENTS:
+            raise WireError(where, f"must have rank <= 2 and at most {MAX_CUSTOM_INPUT_ELEMENTS} elements")
+        if arr.dtype == np.float32 and not bool(np.isfinite(arr).all()):
+            raise WireError(where, "values must be finite")
+        out[key] = arr
+    return out
 
 
 def _required_input(inputs: Mapping[str, np.ndarray], key: str, loss_fn: str, field: str) -> np.ndarray:
@@ -217,11 +284,25 @@ def forward_backward_work(
             raise WireError("data", "must contain at least one datum")
         data = [datum_to_domain(d, loss_fn, f"data[{i}]") for i, d in enumerate(call.data)]
         config = loss_config_to_domain(call.loss_fn_config)
+        loss_id = _custom_loss_id(loss_fn, call.loss_fn_config)
     except WireError as err:
         raise err.with_ids(call.model_id, call.seq_id) from None
     return domain.ForwardBackwardWork(
-        adapter_id=adapter_id, data=data, loss_fn=loss_fn, loss_config=config, forward_only=call.forward_only
+        adapter_id=adapter_id, data=data, loss_fn=loss_fn, loss_config=config, forward_only=call.forward_only,
+        custom_loss_id=loss_id,
     )
+
+
+def _custom_loss_id(loss_fn: str, config: Mapping[str, float | str]) -> str | None:
+    """`custom` needs `loss_fn_config.loss_id` (text); no other loss takes one."""
+    loss_id = config.get("loss_id")
+    if loss_fn != "custom":
+        if loss_id is not None:
+            raise WireError("loss_fn_config.loss_id", f"only loss 'custom' takes a loss_id, not {loss_fn!r}")
+        return None
+    if not isinstance(loss_id, str) or not loss_id:
+        raise WireError("loss_fn_config.loss_id", "is required (text) for loss 'custom'")
+    return loss_id
 
 
 def check_optimizer_config(config: OptimizerConfigBase | None, field: str = "optimizer_config") -> None:

@@ -180,7 +180,8 @@ class Engine:
                 datum = _with_default_weights(datum, work.loss_fn)
                 item = PackedItem(key=(i, j), adapter_key=work.adapter_id,
                                   weights=weights.get(work.adapter_id), datum=datum, loss_fn=work.loss_fn,
-                                  loss_config=dict(work.loss_config), train=not work.forward_only)
+                                  loss_config=dict(work.loss_config), train=not work.forward_only,
+                                  custom_loss=work.custom_loss)
                 by_adapter.setdefault(work.adapter_id, []).append(item)
         for aid in trains:
             states[aid].pending_grad_passes += 1
@@ -207,10 +208,14 @@ class Engine:
         log.debug("packed pass: %d tokens, %d adapters, %.0f tok/s", tokens, adapters, tokens / max(seconds, 1e-9))
 
     @staticmethod
-    def _result(work: ForwardBackwardWork, outs: list[ItemOutput]) -> ForwardBackwardResult:
+    def _result(work: ForwardBackwardWork, outs: list[ItemOutput]) -> ForwardBackwardResult | WorkError:
+        errors = [o.error for o in outs if o.error is not None]
+        if errors:
+            return WorkError(f"custom loss: {errors[0]}", "user")
+        metrics = {"loss:sum": float(sum(o.loss for o in outs))}
+        metrics.update(custom_metrics([o.metrics or {} for o in outs]))
         return ForwardBackwardResult(
-            outputs=[DatumOutput(o.logprobs, o.elementwise_loss) for o in outs],
-            metrics={"loss:sum": float(sum(o.loss for o in outs))},
+            outputs=[DatumOutput(o.logprobs, o.elementwise_loss) for o in outs], metrics=metrics,
         )
 
     def optim_step(self, adapter_id: AdapterId, params: AdamParams) -> OptimStepResult:
@@ -255,6 +260,16 @@ class Engine:
             self.apply_pending_steps()
             self.slots.put(state)
         return state.spec
+
+
+def custom_metrics(per_datum: list[dict[str, float]]) -> dict[str, float]:
+    """A custom loss's metrics over a request's datums: `:sum` adds up, `:mean` averages (as the SDK's
+    client-side `forward_backward_custom` reduces them)."""
+    sums: dict[str, float] = {}
+    for metrics in per_datum:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {k: v / len(per_datum) if k.endswith(":mean") else v for k, v in sums.items()}
 
 
 def _micro_batch_tokens(config: EngineConfig, device: torch.device) -> int:

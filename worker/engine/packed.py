@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.domain.custom_loss import CustomLossProgram
 from services.domain.training import Datum
+from worker.engine.custom_loss import CustomLossError, run_custom_loss
 from worker.engine.grad_rows import settle
 from worker.engine.losses import LOSSES
 from worker.engine.model import LoadedModel
@@ -33,6 +35,8 @@ class PackedItem:
     loss_fn: str
     loss_config: dict[str, float]
     train: bool
+    custom_loss: CustomLossProgram | None = None
+    """The program of a `custom` loss (worker/engine/custom_loss.py)."""
 
 
 @dataclass
@@ -40,6 +44,10 @@ class ItemOutput:
     logprobs: np.ndarray
     elementwise_loss: np.ndarray
     loss: float
+    metrics: dict[str, float] | None = None
+    """A custom loss's own metrics (`custom/<name>:sum|mean`) for this datum."""
+    error: str | None = None
+    """A custom loss that failed on this datum: its request fails, the rest of the pass carries on."""
 
 
 def run_packed_pass(lm: LoadedModel, items: list[PackedItem]) -> list[ItemOutput]:
@@ -84,16 +92,34 @@ def _losses(lm: LoadedModel, items: list[PackedItem],
     total: torch.Tensor | None = None
     for item, lp in zip(items, _item_logprobs(lm, items, logits), strict=True):
         inputs = {k: torch.from_numpy(np.asarray(v)).to(lm.device) for k, v in item.datum.loss_inputs.items()}
-        elementwise = LOSSES[item.loss_fn](lp, inputs, item.loss_config)
-        loss = elementwise.sum()
+        metrics: dict[str, float] | None = None
+        if item.custom_loss is not None:
+            try:
+                loss, custom_metrics = run_custom_loss(item.custom_loss, lp, inputs)
+            except CustomLossError as exc:
+                outputs.append(_failed(lp, str(exc)))
+                continue
+            metrics = {k: float(v.detach()) for k, v in custom_metrics.items()}
+            # No per-token split exists for an arbitrary loss: the datum's loss sits on its last position.
+            elementwise = torch.zeros_like(lp).detach()
+            elementwise.view(-1)[-1] = loss.detach()
+        else:
+            elementwise = LOSSES[item.loss_fn](lp, inputs, item.loss_config)
+            loss = elementwise.sum()
         if item.train:
             total = loss if total is None else total + loss
         outputs.append(ItemOutput(
             logprobs=lp.detach().float().cpu().numpy().astype(np.float32),
             elementwise_loss=elementwise.detach().float().cpu().numpy().astype(np.float32),
             loss=float(loss.detach()),
+            metrics=metrics,
         ))
     return outputs, total
+
+
+def _failed(lp: torch.Tensor, error: str) -> ItemOutput:
+    zeros = np.zeros(tuple(lp.shape), np.float32)
+    return ItemOutput(logprobs=lp.detach().float().cpu().numpy(), elementwise_loss=zeros, loss=0.0, error=error)
 
 
 def _item_logprobs(lm: LoadedModel, items: list[PackedItem], logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
