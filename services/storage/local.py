@@ -41,6 +41,9 @@ def safe_component(value: str) -> str:
 class LocalCheckpointStore:
     """`CheckpointStore` over a local directory tree; `signer` enables download URLs."""
 
+    remote = False
+    """Paths are the checkpoint's own files (an S3 store's are a cache that workers fill)."""
+
     def __init__(self, root: Path, signer: UrlSigner | None = None) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
