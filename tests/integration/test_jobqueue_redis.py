@@ -9,6 +9,7 @@ on the shared server). The restart test runs its own throwaway `redis-server` on
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -94,12 +95,11 @@ def test_a_standby_scheduler_takes_over_the_unacked_entries_of_a_dead_one(client
 
 def test_a_periodic_recover_only_takes_entries_idle_long_enough(client: redis.Redis, prefix: str) -> None:
     live = RedisWorkQueue(client, prefix=prefix, consumer="live")
-    standby = RedisWorkQueue(client, prefix=prefix, consumer="standby", recover_min_idle_s=0.2)
+    standby = RedisWorkQueue(client, prefix=prefix, consumer="standby", recover_min_idle_s=1.0)
     live.enqueue(BASE, request(1))
     live.claim(BASE, max_items=1)
     assert standby.recover(BASE) == 0  # the live scheduler is still working on it
-    time.sleep(0.25)
-    assert standby.recover(BASE) == 1
+    assert wait_until(lambda: standby.recover(BASE) == 1, timeout_s=30)  # once idle long enough, taken over
     assert ids(standby.claim(BASE, max_items=1)) == ["r1"]
 
 
@@ -147,12 +147,15 @@ def test_poison_entries_are_moved_aside_and_do_not_block_the_stream(client: redi
     assert queue.unacked(BASE) == 1 and client.xlen(key) == 1
 
 
-def test_a_block_never_outlasts_the_client_socket_timeout(prefix: str, client: redis.Redis) -> None:
+def test_a_block_never_outlasts_the_client_socket_timeout(prefix: str, client: redis.Redis,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     impatient = redis.Redis.from_url(REDIS_URL, socket_timeout=0.3)
     queue = RedisWorkQueue(impatient, prefix=prefix)
-    started = time.monotonic()
-    assert queue.claim(BASE, max_items=1, timeout_s=2.0) == []
-    assert time.monotonic() - started < 1.0
+    # A server-side block longer than the socket timeout ends in redis.TimeoutError on the client, which
+    # the queue then retries as if Redis were down; capped below it, the read simply returns empty.
+    with caplog.at_level(logging.WARNING, logger="services.jobqueue"):
+        assert queue.claim(BASE, max_items=1, timeout_s=2.0) == []
+    assert not [r for r in caplog.records if "redis retry" in r.getMessage()], caplog.text
     impatient.close()
 
 
@@ -196,13 +199,13 @@ def test_the_notifier_survives_its_subscription_being_killed(client: redis.Redis
 
     async def scenario() -> tuple[bool, bool]:
         parked = asyncio.create_task(notifier.wait(RequestId("lost-during-restart"), timeout_s=5))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.waiting() == 1)
         assert await asyncio.to_thread(kill_connections, admin, f"{prefix}-sub", "pubsub") == 1
         woken_by_reconnect = await parked  # its publish may have been lost: it must re-check
-        await asyncio.to_thread(wait_until, lambda: notifier.is_subscribed and notifier.subscriptions == 2)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.is_subscribed and notifier.subscriptions == 2)
         await asyncio.sleep(0.15)  # past the grace period: only a real publish may wake the next waiter
         later = asyncio.create_task(notifier.wait(RequestId("after"), timeout_s=5))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.waiting() == 1)
         assert not later.done()
         await asyncio.to_thread(notifier.publish, RequestId("after"))
         return woken_by_reconnect, await later
@@ -274,13 +277,13 @@ def test_everything_recovers_from_a_real_redis_restart(private_redis: PrivateRed
 
     async def scenario() -> tuple[bool, bool, StoredResult | None]:
         parked = asyncio.create_task(notifier.wait(RequestId("r1"), timeout_s=10))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.waiting() == 1)
         await asyncio.to_thread(restart_with_an_enqueue_during_the_outage)
         woken_by_reconnect = await parked
-        await asyncio.to_thread(wait_until, lambda: notifier.subscriptions >= 2 and notifier.is_subscribed)
-        await asyncio.sleep(0.15)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.subscriptions >= 2 and notifier.is_subscribed)
+        await asyncio.sleep(0.15)  # past the grace period: only a real publish may wake the next waiter
         later = asyncio.create_task(notifier.wait(RequestId("r2"), timeout_s=5))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(wait_until, lambda: notifier.waiting() == 1)
         store.put(RequestId("r2"), StoredResult(ResultStatus.OK, "fresh"))
         notifier.publish(RequestId("r2"))
         return woken_by_reconnect, await later, await store.get(RequestId("r2"))
