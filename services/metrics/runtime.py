@@ -59,6 +59,9 @@ class RuntimeMetrics:
         self.hub_pushes = counter("carpool_hub_pushes", "Checkpoint pushes to a model hub, by hub (hf, ms) "
                                   "and outcome (done, failed).", ["hub", "outcome"])
         self.tenants: TenantSeries | None = TenantSeries(registry) if per_tenant else None
+        for hub in ("hf", "ms"):  # present at 0, so a failed-push alert has a series to read
+            for outcome in HUB_OUTCOMES:
+                self.hub_pushes.labels(hub, outcome)
 
     def for_model(self, base_model: str) -> ModelSeries:
         return ModelSeries(self, base_model)
