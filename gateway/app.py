@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 
 from gateway.auth import Authenticator
 from gateway.deps import install_openapi
+from gateway.edge_limits import DecodePool, EdgeLimiter, EdgeLimitOptions
 from gateway.errors import install_error_handlers
 from gateway.middleware import EdgeMiddleware, RouteMetrics, render_runtime
 from gateway.rendering import SampleRenderCache
@@ -66,6 +67,7 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     app.include_router(rest.router)
     if settings.metrics_enabled:
         _add_metrics_route(app, app.state.metrics, control)
+    app.state.decode_pool = DecodePool(settings.decode_threads)
     app.add_middleware(EdgeMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes)
     install_openapi(app)
     install_key_redaction()
@@ -86,7 +88,7 @@ def _add_metrics_route(app: FastAPI, metrics: RouteMetrics, control: ControlPlan
 
 
 @asynccontextmanager
-async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # uvicorn (re)configures its handlers after the app is built: redact again once the server runs.
     install_key_redaction()
     yield
@@ -94,11 +96,21 @@ async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
 
 def install_key_redaction() -> None:
     """Put `RedactApiKeysFilter` on the gateway's and uvicorn's loggers and their handlers (idempotent).
+def edge_limit_options(settings: GatewaySettings) -> EdgeLimitOptions:
+    """The per-caller edge limits of `settings` (see `gateway.edge_limits`)."""
+    return EdgeLimitOptions(
+        max_in_flight=settings.edge_max_in_flight, rate_per_s=settings.edge_rate_per_second,
+        burst=settings.edge_rate_burst, failed_auth_per_minute=settings.edge_failed_auth_per_minute,
+        failed_auth_burst=settings.edge_failed_auth_burst, max_small_body_bytes=settings.max_small_body_bytes,
+    )
+
+
 
     Logger filters only see records logged on that very logger, handler filters see propagated ones
     too; both are set so keys are redacted whichever way a record travels.
     """
     for name in REDACTED_LOGGERS:
+    app.state.decode_pool.shutdown()
         logger = logging.getLogger(name)
         for target in (logger, *logger.handlers):
             if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):

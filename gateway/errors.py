@@ -71,7 +71,7 @@ def body_too_large_response(limit: int) -> JSONResponse:
     return error_response(413, f"request body exceeds the limit of {limit} bytes", field="body", limit=limit)
 
 
-def _retry_after_headers(retry_after_s: float) -> dict[str, str]:
+def retry_after_headers(retry_after_s: float) -> dict[str, str]:
     # `retry-after-ms` is preferred by the SDK; `Retry-After` (whole seconds) is for everyone else.
     seconds = max(1, math.ceil(retry_after_s))
     return {"Retry-After": str(seconds), "retry-after-ms": str(max(1, round(retry_after_s * 1000)))}
@@ -91,7 +91,7 @@ async def _control_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ControlError)
     if isinstance(exc, QuotaExceeded):
         return error_response(
-            429, exc.message, field=exc.field, headers=_retry_after_headers(exc.retry_after_s),
+            429, exc.message, field=exc.field, headers=retry_after_headers(exc.retry_after_s),
             retry_after_s=exc.retry_after_s,
         )
     # Never 409 (retried by the SDK); the control plane's statuses are 400/404/429/503 by contract.

@@ -43,6 +43,51 @@ class GatewaySettings(BaseSettings):
         description="Largest request body, compressed or not (bigger answers HTTP 413); also caps a zstd "
         "forward_backward body after decompression.",
     )
+    max_small_body_bytes: int = Field(
+        default=1 * MIB,
+        ge=1024,
+        description="Largest body of every route except forward_backward, forward and sampling (which take "
+        "max_body_bytes): create_model, saves, sessions and REST bodies are small JSON.",
+    )
+    max_loss_input_elements: int = Field(
+        default=1 << 24,
+        ge=1,
+        description="Most dense elements of one forward_backward request's loss inputs, all tensors together "
+        "(sparse tensors counted at their dense shape); checked before anything is allocated (400).",
+    )
+    max_target_k: int = Field(
+        default=64,
+        ge=1,
+        description="Largest K of a (T, K) loss input such as target_tokens (400 above it).",
+    )
+    decode_threads: int = Field(
+        default=4,
+        ge=1,
+        description="Threads of the gateway's own pool that decode forward_backward bodies (off the event loop "
+        "and off the default pool that database work uses).",
+    )
+    edge_max_in_flight: int | None = Field(
+        default=2048,
+        ge=1,
+        description="Requests one API key may have open at once on this gateway process, long-polls included "
+        "(429 with Retry-After above it); None = no limit.",
+    )
+    edge_rate_per_second: float | None = Field(
+        default=500.0,
+        gt=0,
+        description="Requests per second one API key may send to this gateway process (token bucket of "
+        "edge_rate_burst; 429 with Retry-After); None = no limit.",
+    )
+    edge_rate_burst: int = Field(default=2000, ge=1, description="Bucket size of edge_rate_per_second.")
+    edge_failed_auth_per_minute: float | None = Field(
+        default=30.0,
+        gt=0,
+        description="Failed authentications one client address may make per minute (after a burst of "
+        "edge_failed_auth_burst); beyond that its requests with unproven keys get 429. None = no limit.",
+    )
+    edge_failed_auth_burst: int = Field(
+        default=30, ge=1, description="Failed authentications one address may make before being slowed."
+    )
     default_max_tokens: int | None = Field(
         default=None,
         ge=1,

@@ -9,8 +9,7 @@ The work item's `adapter_id` is the model id; the control plane resolves it to t
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -27,11 +26,12 @@ from services.wire import (
     WireError,
     adam_params,
     check_optimizer_config,
-    decode_forward_backward_body,
     forward_backward_work,
     get_info_response,
     lora_spec,
 )
+from services.wire.arrays import TensorLimits
+from services.wire.convert import ParsedForwardBackward, parse_forward_backward_body
 from services.wire.requests import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -43,10 +43,6 @@ from services.wire.requests import (
 from services.wire.responses import GetInfoResponse, UntypedAPIFuture
 
 router = APIRouter(prefix="/api/v1", tags=["training"])
-
-DECODE_IN_THREAD_BYTES = 64 * 1024
-"""Bodies at least this big are decoded off the event loop, so long-polls keep being served."""
-
 
 @router.post("/create_model", response_model=UntypedAPIFuture)
 @documents_body(CreateModelRequest)
@@ -97,32 +93,31 @@ async def _submit_forward_backward(
     request: Request, tenant: CurrentTenant, control: Control, settings: GatewaySettings, body: bytes,
     *, legacy_forward: bool,
 ) -> JSONResponse:
-    content_type = request.headers.get("content-type")
-    content_encoding = request.headers.get("content-encoding")
+    """Parse, check the model is the caller's, only then densify: a foreign or unknown model id gets its
+    404 before any tensor is allocated. Both steps run on the gateway's bounded decode pool."""
+    pool = request.app.state.decode_pool
+    limits = TensorLimits(max_tensor_elements=settings.max_loss_input_elements,
+                          max_request_elements=settings.max_loss_input_elements, max_target_k=settings.max_target_k)
+    parse = partial(parse_forward_backward_body, body, request.headers.get("content-type"),
+                    request.headers.get("content-encoding"), legacy_forward=legacy_forward,
+                    max_body_bytes=settings.max_body_bytes, limits=limits)
     async with SeqIdGuard(control, tenant) as guard:
-        decode = _decoder(body, content_type, content_encoding, settings.max_body_bytes, legacy_forward)
-        call, work = await asyncio.to_thread(decode) if len(body) >= DECODE_IN_THREAD_BYTES else decode()
-        guard.track(call.model_id, call.seq_id)
-        assert call.seq_id is not None  # checked by the decoder
+        parsed: ParsedForwardBackward = await pool.run(parse)
+        guard.track(parsed.model_id, parsed.seq_id)
+        if parsed.model_id:
+            await control.get_info(tenant, ModelId(parsed.model_id))  # ownership: 404 for unknown and foreign
+        call, work = await pool.run(partial(_densify, parsed))
+        assert call.seq_id is not None  # checked by _densify
         submitted = await control.forward_backward(tenant, ModelId(call.model_id), call.seq_id, work)
     return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=call.model_id))
 
 
-def _decoder(
-    body: bytes, content_type: str | None, content_encoding: str | None, max_body_bytes: int,
-    legacy_forward: bool,
-) -> Callable[[], tuple[ForwardBackwardCall, ForwardBackwardWork]]:
-    """A thunk decoding the body into the call and its domain work (WireErrors carry the ids)."""
-
-    def decode() -> tuple[ForwardBackwardCall, ForwardBackwardWork]:
-        call = decode_forward_backward_body(
-            body, content_type, content_encoding, legacy_forward=legacy_forward, max_body_bytes=max_body_bytes
-        )
-        if call.seq_id is None:
-            raise WireError("seq_id", "is required (>= 1, consecutive per model)", model_id=call.model_id)
-        return call, forward_backward_work(call, AdapterId(call.model_id))
-
-    return decode
+def _densify(parsed: ParsedForwardBackward) -> tuple[ForwardBackwardCall, ForwardBackwardWork]:
+    """The call and its domain work (WireErrors carry the ids)."""
+    call = parsed.densify()
+    if call.seq_id is None:
+        raise WireError("seq_id", "is required (>= 1, consecutive per model)", model_id=call.model_id)
+    return call, forward_backward_work(call, AdapterId(call.model_id))
 
 
 @router.post("/optim_step", response_model=UntypedAPIFuture)

@@ -7,8 +7,9 @@ while it retries the *same* request:
 
 - `max_models`: active training runs; checked when a model is created.
 - `max_concurrent_requests`: queued + running requests in the request log. A training request that fills
-  a gap below a later queued request of its model is exempt: the later one cannot run without it, so
-  refusing it would deadlock the model until the SDK gives up.
+  a gap below a later queued request of its model, with no earlier request of the model unfinished, is
+  exempt: the later one cannot run without it, so refusing it would deadlock the model until the SDK gives
+  up. At most one such request per model is exempt at a time.
 - `tokens_per_minute`: a token bucket per tenant (capacity = the limit, refilled evenly over
   `token_window_s`), charged with a request's tokens when it is accepted. A request that could never
   fit the bucket is `Invalid` (400) instead. The bucket lives in a `QuotaStore`: `InProcessQuotaStore`
@@ -294,8 +295,15 @@ def _first_set(*values: int | None) -> int | None:
 
 
 def _fills_a_gap(db: Session, model_id: ModelId, seq_id: int) -> bool:
-    """Whether a later request of the model is already waiting (for this one: seq ids run in order)."""
-    stmt = select(RequestRow.id).where(
-        RequestRow.model_id == model_id, RequestRow.seq_id > seq_id, RequestRow.status.in_(UNFINISHED)
-    )
-    return db.scalars(stmt.limit(1)).first() is not None
+    """Whether this request is what its model waits for: a later request of the model is unfinished, and
+    no earlier one is (the model's next runnable seq id is this one, so refusing it would stall the model).
+
+    Requiring that no earlier request is unfinished keeps the exemption to one request per model at a time:
+    sending a huge seq id first no longer exempts every lower one (they queue one by one behind it).
+    """
+    unfinished = select(RequestRow.id).where(RequestRow.model_id == model_id, RequestRow.status.in_(UNFINISHED))
+    later = db.scalars(unfinished.where(RequestRow.seq_id > seq_id).limit(1)).first()
+    if later is None:
+        return False
+    earlier = db.scalars(unfinished.where(RequestRow.seq_id < seq_id).limit(1)).first()
+    return earlier is None

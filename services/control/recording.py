@@ -35,7 +35,7 @@ from services.db.request_log import mark_request_done, mark_request_failed, mark
 from services.db.usage import record_usage
 from services.domain.sampling import SampleResult
 from services.domain.training import WorkError
-from services.runtime.commands import CheckpointRecord, Save
+from services.runtime.commands import CheckpointRecord, ForwardBackward, Save
 from services.scheduler.requests import Completion, QueuedRequest
 
 log = logging.getLogger(__name__)
@@ -197,4 +197,6 @@ def _tokens(request: QueuedRequest, result: object) -> int:
     if isinstance(result, SampleResult):
         generated = sum(len(s.tokens) for s in result.sequences)
         return request.num_tokens + generated
+    if isinstance(request.payload, ForwardBackward):
+        return request.payload.work.billed_tokens  # T x K, as tokens_per_minute charged it
     return request.num_tokens

@@ -30,6 +30,8 @@ from services.db.request_log import mark_request_failed, record_request
 from services.db.runs import get_training_run, reserve_seq_id
 from services.scheduler.requests import RequestKind
 
+MAX_SEQ_ID = 2**31 - 2
+"""Largest seq id of a request on an existing model: `next_seq_id` (an int32 column) stores seq id + 1."""
 REJECTED_KIND = "rejected"
 """Request-log kind of a seq id refused at the edge before its kind was known."""
 
@@ -50,6 +52,9 @@ class Prepared:
     kind: RequestKind
     payload: object
     num_tokens: int = 0
+    """Tokens the request puts into a pass (what packing counts)."""
+    billed_tokens: int | None = None
+    """What `tokens_per_minute` charges when it differs from `num_tokens` (T x K of a `(T, K)` target)."""
     sampling_session_id: SamplingSessionId | None = None
     """Logged on the request row (an ephemeral save names the sampling session it creates)."""
 
@@ -107,9 +112,9 @@ class OrderedSubmitter:
         await self.submit(OrderedCall(tenant, model_id, seq_id, REJECTED_KIND, refuse))
 
     async def _decide(self, call: OrderedCall) -> _Decision:
-        if call.seq_id < 1:
-            raise Invalid(f"seq_id must be >= 1 for requests on an existing model, got {call.seq_id}",
-                          field="seq_id")
+        if not 1 <= call.seq_id <= MAX_SEQ_ID:
+            raise Invalid(f"seq_id must be in [1, {MAX_SEQ_ID}] for requests on an existing model, got "
+                          f"{call.seq_id}", field="seq_id")
         try:
             return await self._ctx.tx(lambda db: self._decide_tx(db, call))
         except IntegrityError:
@@ -153,7 +158,9 @@ class OrderedSubmitter:
         a request too large for the tenant's bucket ever is refused like any invalid one."""
         assert decision.prepared is not None
         try:
-            quotas.charge_tokens(call.tenant, decision.prepared.num_tokens)
+            prepared = decision.prepared
+            billed = prepared.num_tokens if prepared.billed_tokens is None else prepared.billed_tokens
+            quotas.charge_tokens(call.tenant, billed)
         except QuotaExceeded:
             raise
         except ControlError as exc:

@@ -84,7 +84,7 @@ class TrainingOps:
 
         def prepare(_db: Session, _run: TrainingRunRow, served: ServedModel) -> Prepared:
             _validate_work(work, served)
-            return Prepared(kind, ForwardBackward(work), work.num_tokens)
+            return Prepared(kind, ForwardBackward(work), work.num_tokens, billed_tokens=work.billed_tokens)
 
         return await self._submitter.submit(OrderedCall(tenant, model_id, seq_id, kind.value, prepare))
 

@@ -5,8 +5,10 @@ them go to the backend in a single `forward_backward([...])` call, so they share
 Sample batches likewise become one `sample([...])` call.
 
 Every backend call is wrapped: an exception fails only the item that raised (category `server`, logged
-with its request ids), never the loop. Results come back as the scheduler's `complete()` expects them:
-one per request in the item's order, or a single `WorkError` for the whole item.
+with its request ids), never the loop. A packed pass of several requests that raises is run again one
+request at a time, so one tenant's poison input (or an allocation only its data needs) fails only that
+tenant's request, and nobody sees another tenant's error text. Results come back as the scheduler's
+`complete()` expects them: one per request in the item's order, or a single `WorkError` for the whole item.
 """
 
 from __future__ import annotations
@@ -70,7 +72,14 @@ class Dispatcher:
         assert isinstance(item, PassPlan)
         works = [_payload(r, ForwardBackward).work for r in item.requests]
         started = time.perf_counter()
-        results = self._backend.forward_backward(works)
+        try:
+            results = self._backend.forward_backward(works)
+        except Exception:
+            if len(works) < 2:
+                raise
+            log.exception("%s pass %s failed; running its %d requests one by one", self._base_model,
+                          item.item_id, len(works))
+            return self._one_by_one(item)
         seconds = time.perf_counter() - started
         rate = self._counters.record_pass(item.num_tokens, len(item.tenants), seconds)
         log.info(
@@ -78,6 +87,18 @@ class Dispatcher:
             self._base_model, item.item_id, len(works), item.num_tokens, len(item.tenants),
             len(item.segments), seconds * 1000, rate,
         )
+        return results
+
+    def _one_by_one(self, item: PassPlan) -> list[object]:
+        """Each request of a failed pass alone; one that fails again gets its own error only."""
+        results: list[object] = []
+        for request in item.requests:
+            try:
+                results.extend(self._backend.forward_backward([_payload(request, ForwardBackward).work]))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure, reported to it alone
+                log.exception("%s: request %s failed on its own", self._base_model, request.request_id)
+                results.append(WorkError(f"internal error while running the request: {type(exc).__name__}: "
+                                         f"{exc}", "server"))
         return results
 
     def _sample_batch(self, item: PlanItem) -> ItemResults:

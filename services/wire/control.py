@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from services.wire.inputs import Id, WireRequest
+from services.wire.inputs import Id, Tags, UserMetadata, WireRequest
 
 
 class ClientConfigRequest(WireRequest):
@@ -25,9 +25,9 @@ class ClientConfigRequest(WireRequest):
 class CreateSessionRequest(WireRequest):
     """Body of `create_session`."""
 
-    tags: list[str] = []
+    tags: Tags = []
     """Free-form tags (`TINKER_TAGS`)."""
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     """Caller's metadata (`{}` when none)."""
     sdk_version: str | None = None
     """SDK version; optional here so that version advice can still be given to odd clients."""

@@ -13,6 +13,7 @@ no bool-for-int), which is where bad input actually hurts.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -38,6 +39,18 @@ MAX_ID_CHARS = 512
 """Longest id (session, model, request, sampling session) we accept."""
 MAX_NAME_CHARS = 255
 """Longest checkpoint name."""
+MAX_NAME_BYTES = 200
+"""Longest checkpoint name in UTF-8 bytes: it becomes a directory name (filesystems allow 255 bytes)."""
+MAX_METADATA_KEYS = 64
+"""Most keys in one `user_metadata` map."""
+MAX_METADATA_KEY_CHARS = 128
+MAX_METADATA_BYTES = 16 * 1024
+"""Largest `user_metadata` map, as compact JSON."""
+MAX_TAGS = 64
+"""Most session tags."""
+MAX_TAG_CHARS = 256
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string: matching runs over every generated token of a shared batch."""
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
 TrainingSeqId = Annotated[int, Field(ge=1, le=2**31 - 1)]
@@ -51,12 +64,36 @@ def _check_checkpoint_name(name: str) -> str:
     # The name becomes the last segment of tinker://run/segment/name and a storage key: no separators.
     if not name or len(name) > MAX_NAME_CHARS:
         raise ValueError(f"checkpoint name must be 1..{MAX_NAME_CHARS} characters")
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise ValueError(f"checkpoint name must be at most {MAX_NAME_BYTES} bytes in UTF-8")
     if "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
         raise ValueError("checkpoint name must not contain '/', '\\' or NUL, nor be '.' or '..'")
     return name
 
 
 CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
+
+
+def _check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    # Metadata is stored on rows and echoed in listings: bound it like any other stored field.
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
+    for key in metadata:
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"keys must be at most {MAX_METADATA_KEY_CHARS} characters")
+    size = len(json.dumps(metadata, separators=(",", ":"), default=str).encode("utf-8"))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"{size} bytes as JSON exceeds the limit of {MAX_METADATA_BYTES}")
+    return metadata
+
+
+UserMetadata = Annotated[dict[str, Any], AfterValidator(_check_metadata)]
+"""Free-form caller metadata, capped in keys, key length and encoded size."""
+StringMetadata = Annotated[dict[str, str], AfterValidator(_check_metadata)]
+"""Caller metadata with string values, capped like `UserMetadata`."""
+Tags = Annotated[list[Annotated[str, StringConstraints(max_length=MAX_TAG_CHARS)]], Field(max_length=MAX_TAGS)]
+"""Session tags: at most `MAX_TAGS` of at most `MAX_TAG_CHARS` characters."""
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
 
 def _check_tinker_uri(path: str) -> str:
@@ -263,7 +300,7 @@ class SamplingParams(WireRequest):
     """Most tokens to generate, >= 1; None = the server's default."""
     seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
     """Sampling seed; None = random."""
-    stop: str | list[str] | list[TokenId] | None = None
+    stop: StopString | list[StopString] | list[TokenId] | None = None
     """Stop string(s) or stop token ids; None keeps EOS stopping, [] disables every stop incl. EOS."""
     temperature: float = Field(default=1.0, ge=0)
     """Softmax temperature, >= 0 (0 = greedy)."""

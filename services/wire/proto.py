@@ -17,13 +17,15 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from services.wire.arrays import (
-    DEFAULT_MAX_TENSOR_ELEMENTS,
     DatumArrays,
+    ElementBudget,
     ForwardBackwardCall,
     InputChunk,
     ProvenanceSpan,
+    TensorLimits,
     csr_tensor,
     dense_tensor,
+    wanted_loss_inputs,
 )
 from services.wire.errors import WireError
 from services.wire.results import ForwardBackwardOutput, SampleResponse, TopkLogprobs
@@ -65,24 +67,40 @@ def decode_forward_backward_request(
     content_encoding: str | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
+    limits: TensorLimits | None = None,
 ) -> ForwardBackwardCall:
     """Decode a protobuf `forward_backward` body (forward-only passes use the same message)."""
+    return call_from_message(parse_forward_backward_message(body, content_encoding, max_body_bytes=max_body_bytes),
+                             limits)
+
+
+def parse_forward_backward_message(
+    body: bytes, content_encoding: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> pb.ForwardBackwardRequest:
+    """Parse (no tensor is densified yet): the ids are readable for an ownership check first."""
     raw = decompress_body(body, content_encoding, max_body_bytes=max_body_bytes)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(raw)
     except DecodeError as exc:
         raise WireError("body", f"malformed ForwardBackwardRequest protobuf: {exc}") from exc
-    model_id = msg.model_id or None
-    seq_id = msg.seq_id if msg.seq_id >= 1 else None
+    return msg
+
+
+def message_ids(msg: pb.ForwardBackwardRequest) -> tuple[str | None, int | None]:
+    """`(model_id, seq_id)` of a parsed message, None where unset or invalid."""
+    return msg.model_id or None, msg.seq_id if msg.seq_id >= 1 else None
+
+
+def call_from_message(msg: pb.ForwardBackwardRequest, limits: TensorLimits | None = None) -> ForwardBackwardCall:
+    """The decoded call: tensors checked and densified within `limits`; errors carry the message's ids."""
     try:
-        return _call_from_message(msg, max_tensor_elements)
+        return _call_from_message(msg, ElementBudget(limits))
     except WireError as err:
-        raise err.with_ids(model_id, seq_id) from None
+        raise err.with_ids(*message_ids(msg)) from None
 
 
-def _call_from_message(msg: pb.ForwardBackwardRequest, max_elements: int) -> ForwardBackwardCall:
+def _call_from_message(msg: pb.ForwardBackwardRequest, budget: ElementBudget) -> ForwardBackwardCall:
     if not msg.model_id:
         raise WireError("model_id", "is required")
     if msg.seq_id < 1:
@@ -96,7 +114,7 @@ def _call_from_message(msg: pb.ForwardBackwardRequest, max_elements: int) -> For
         loss_fn=msg.loss_fn,
         loss_fn_config=_loss_fn_config(msg),
         forward_only=msg.forward_only,
-        data=[_datum(d, f"data[{i}]", max_elements) for i, d in enumerate(msg.data)],
+        data=[_datum(d, f"data[{i}]", msg.loss_fn, budget) for i, d in enumerate(msg.data)],
     )
 
 
@@ -113,12 +131,13 @@ def _loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     return config
 
 
-def _datum(msg: pb.Datum, field: str, max_elements: int) -> DatumArrays:
+def _datum(msg: pb.Datum, field: str, loss_fn: str, budget: ElementBudget) -> DatumArrays:
+    wanted = wanted_loss_inputs(loss_fn, list(msg.loss_fn_inputs), f"{field}.loss_fn_inputs")
     return DatumArrays(
         model_input=[_chunk(c, f"{field}.model_input[{j}]") for j, c in enumerate(msg.model_input)],
         loss_fn_inputs={
-            name: _tensor(t, f"{field}.loss_fn_inputs.{name}", max_elements)
-            for name, t in msg.loss_fn_inputs.items()
+            name: _tensor(t, f"{field}.loss_fn_inputs.{name}", budget)
+            for name, t in msg.loss_fn_inputs.items() if name in wanted
         },
         model_input_spans=_spans(msg.model_input_spans) if len(msg.model_input_spans) else None,
         loss_fn_input_spans=_spans(msg.loss_fn_input_spans) if len(msg.loss_fn_input_spans) else None,
@@ -136,7 +155,7 @@ def _chunk(msg: pb.Chunk, field: str) -> InputChunk:
     raise WireError(field, "empty chunk: none of encoded_text, image, dmel is set")
 
 
-def _tensor(msg: pb.Tensor, field: str, max_elements: int) -> np.ndarray:
+def _tensor(msg: pb.Tensor, field: str, budget: ElementBudget) -> np.ndarray:
     dtype = _TENSOR_DTYPES.get(msg.dtype)
     if dtype is None:
         name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else str(msg.dtype)
@@ -147,8 +166,8 @@ def _tensor(msg: pb.Tensor, field: str, max_elements: int) -> np.ndarray:
         values = _frombuffer(csr.values, dtype, f"{field}.sparse_csr.values")
         crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), f"{field}.sparse_csr.crow_indices")
         col = _frombuffer(csr.col_indices, np.dtype("<i8"), f"{field}.sparse_csr.col_indices")
-        return csr_tensor(values, crow, col, shape, field, max_elements)
-    return dense_tensor(_frombuffer(msg.dense, dtype, f"{field}.dense"), shape, field, max_elements)
+        return csr_tensor(values, crow, col, shape, field, budget)
+    return dense_tensor(_frombuffer(msg.dense, dtype, f"{field}.dense"), shape, field, budget)
 
 
 def _frombuffer(buf: bytes, dtype: np.dtype, field: str) -> np.ndarray:

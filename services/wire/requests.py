@@ -24,10 +24,12 @@ from services.wire.inputs import (
     OptimizerConfigBase,
     OptimParams,
     SamplingParams,
+    StringMetadata,
     TensorData,
     TinkerUri,
     TrainingSeqId,
     TtlSeconds,
+    UserMetadata,
     WireRequest,
 )
 
@@ -41,7 +43,7 @@ class CreateModelRequest(WireRequest):
     """Per-session model counter (shared with create-via-load), >= 0."""
     base_model: Id
     """Base model name, e.g. `Qwen/Qwen3-8B`."""
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     """Caller's metadata for the training run."""
     lora_config: LoraConfig | None = None
     """Adapter shape; None = SDK defaults (rank 32, all targets)."""
@@ -115,7 +117,7 @@ class SaveWeightsRequest(WireRequest):
     """Expiry, 3600 s .. 10 years; None = never."""
     overwrite: bool = False
     """Replace an existing checkpoint of the same name."""
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata | None = None
     """Metadata attached to the checkpoint."""
     type: Literal["save_weights"] = "save_weights"
 
@@ -135,7 +137,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     """Position in the model's request sequence, >= 1."""
     ttl_seconds: TtlSeconds | None = None
     """Expiry, 3600 s .. 10 years; None = never."""
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata | None = None
     """Metadata attached to the checkpoint."""
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
@@ -175,7 +177,7 @@ class LoadWeightsRequest(WireRequest):
     """Create-via-load: the new model's per-session counter, >= 0."""
     base_model: Id | None = None
     """Create-via-load: optional base-model override compatible with the checkpoint."""
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     """Create-via-load: metadata of the new training run."""
     path: TinkerUri
     """`tinker://<run>/weights/<name>` checkpoint to load."""

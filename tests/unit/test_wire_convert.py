@@ -177,7 +177,7 @@ def test_legacy_json_errors_carry_ids() -> None:
             "data": [
                 {
                     "model_input": {"chunks": [{"tokens": [1]}]},
-                    "loss_fn_inputs": {"w": {"data": [1.0], "dtype": "float32", "shape": [2]}},
+                    "loss_fn_inputs": {"weights": {"data": [1.0], "dtype": "float32", "shape": [2]}},
                 }
             ],
             "loss_fn": "cross_entropy",
@@ -187,7 +187,7 @@ def test_legacy_json_errors_carry_ids() -> None:
     }
     with pytest.raises(WireError) as err:
         decode_forward_backward_body(json.dumps(body).encode(), "application/json")
-    assert err.value.field == "forward_backward_input.data[0].loss_fn_inputs.w.shape"
+    assert err.value.field == "forward_backward_input.data[0].loss_fn_inputs.weights.shape"
     assert (err.value.model_id, err.value.seq_id) == ("m", 9)
 
 
