@@ -19,7 +19,7 @@ from services.db import Database, open_database
 from services.db.engine import is_sqlite
 from services.db.schema import SchemaVersionError
 from services.runtime.redis_replicas import connect
-from worker.serve.config import ClusterConfig, ClusterConfigError, WorkerSpec, load_cluster_config
+from worker.serve.config import ClusterConfig, ClusterConfigError, S3Settings, WorkerSpec, load_cluster_config
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """Passed on to replicas when set here: a replica must not hang on a hub lookup the operator disabled."""
@@ -40,6 +40,7 @@ def cluster_config(settings: ClusterSettings) -> ClusterConfig:
         heartbeat_ttl_seconds=settings.heartbeat_ttl_seconds, data_dir=str(settings.data_dir.resolve()),
         cache_dir=str(settings.models_dir.resolve()), base_models=specs,
         env={name: os.environ[name] for name in OFFLINE_ENV if name in os.environ},
+        storage=s3_settings(settings),
     )
     if settings.cluster_config is None:
         return defaults
@@ -47,6 +48,16 @@ def cluster_config(settings: ClusterSettings) -> ClusterConfig:
         return load_cluster_config(settings.cluster_config, defaults)
     except ClusterConfigError as exc:
         raise StartupError(str(exc)) from exc
+
+
+def s3_settings(settings: ClusterSettings) -> S3Settings | None:
+    """What replicas need of `CARPOOL_STORAGE_URL` (None: checkpoints on the shared data dir)."""
+    if not settings.storage_url:
+        return None
+    return S3Settings(url=settings.storage_url, endpoint_url=settings.s3_endpoint_url,
+                      cache_dir=str(settings.s3_cache_dir) if settings.s3_cache_dir else None,
+                      cache_max_bytes=settings.s3_cache_max_bytes,
+                      multipart_threshold=settings.s3_multipart_threshold_bytes, timeout_s=settings.s3_timeout_seconds)
 
 
 def connect_redis(settings: ClusterSettings) -> redis.Redis:

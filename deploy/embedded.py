@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from deploy.admin import bootstrap_admin
 from deploy.settings import BaseModelSpec, ServiceSettings
+from deploy.storage_wiring import checkpoint_store, staged_backend
 from services.auth.log_redaction import RedactApiKeysFilter
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
@@ -31,7 +32,7 @@ from services.db.request_log import fail_unfinished_requests
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
 from services.runtime import LoopConfig, SchedulerLoop
 from services.scheduler import Scheduler, SchedulerLimits
-from services.storage import LocalCheckpointStore, UrlSigner, load_or_create_secret, safe_component
+from services.storage import CheckpointStore, safe_component
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,11 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
     engines: dict[str, Any] = {}
     loops: list[SchedulerLoop] = []
     served = []
+    store = _checkpoint_store(settings)
     for spec, path in models:
         engine = _engine(settings, spec, path)
-        loop = SchedulerLoop(spec.name, engine, queue, results, notifier, scheduler=_scheduler(settings),
+        loop = SchedulerLoop(spec.name, staged_backend(engine, store), queue, results, notifier,
+                             scheduler=_scheduler(settings),
                              hook=DatabaseCompletionHook(db),
                              config=loop_config(settings))
         engines[spec.name] = engine
@@ -116,7 +119,7 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
         served.append(ServedModel(engine.info, engine.limits, queue=spec.name,
                                   max_tokens_per_request=settings.max_tokens_per_step,
                                   max_lora_rank=settings.max_lora_rank, stats=loop.stats))
-    control = ServiceControlPlane(db, queue, results, notifier, _checkpoint_store(settings), served,
+    control = ServiceControlPlane(db, queue, results, notifier, store, served,
                                   _control_options(settings))
     return EmbeddedService(settings, db, control, loops, engines)
 
@@ -147,9 +150,8 @@ def _scheduler(settings: ServiceSettings) -> Scheduler:
                                      pass_latency_factor=settings.pass_latency_factor))
 
 
-def _checkpoint_store(settings: ServiceSettings) -> LocalCheckpointStore:
-    signer = UrlSigner(load_or_create_secret(settings.signing_secret_path))
-    return LocalCheckpointStore(settings.checkpoints_dir, signer)
+def _checkpoint_store(settings: ServiceSettings) -> CheckpointStore:
+    return checkpoint_store(settings)
 
 
 def _control_options(settings: ServiceSettings) -> ControlOptions:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.db.engine import database_url_for_data_dir, normalize_database_url
@@ -115,6 +115,31 @@ class ServiceSettings(BaseSettings):
         "(the token budget follows the fitted pass cost; one request always fits). Unset: "
         "pass_latency_factor decides."))
     download_url_ttl_seconds: int = Field(3600, ge=60, description="Lifetime of signed download URLs.")
+    storage_url: str | None = Field(None, description=(
+        "Where checkpoints live: s3://bucket/prefix for S3-compatible storage (credentials from the standard "
+        "AWS chain: env, shared config, web identity); unset: <data_dir>/checkpoints on local disk."))
+    s3_endpoint_url: str | None = Field(None, description=(
+        "Endpoint of an S3-compatible server (MinIO, Ceph, R2), e.g. http://minio:9000; unset: AWS S3."))
+    s3_cache_dir: Path | None = Field(None, description=(
+        "Local read-through cache of S3 checkpoints on each node; default: <data_dir>/s3-cache."))
+    s3_cache_max_bytes: int = Field(10 << 30, ge=0, description=(
+        "Bytes the S3 checkpoint cache may hold per node; least recently used checkpoints are evicted."))
+    s3_multipart_threshold_bytes: int = Field(64 << 20, ge=5 << 20, description=(
+        "Checkpoint files at least this large are uploaded and downloaded in parts of this size."))
+    s3_timeout_seconds: float = Field(30.0, gt=0, description=(
+        "Connect and read timeout of each S3 call (3 attempts); a save fails with a server error after it."))
+    secret_key: SecretStr | None = Field(None, description=(
+        "Server key that encrypts tenants' hub tokens at rest (any string, 32+ characters). Required in "
+        "cluster mode; unset in `carpool serve`: generated once under <data_dir>/secrets."))
+    hub_token_huggingface: SecretStr | None = Field(None, description=(
+        "Operator-wide Hugging Face token used for hub pushes of tenants that stored none."))
+    hub_token_modelscope: SecretStr | None = Field(None, description=(
+        "Operator-wide ModelScope token used for hub pushes of tenants that stored none."))
+    hub_timeout_seconds: float = Field(60.0, gt=0, description=(
+        "Timeout of each call a hub push makes to the Hugging Face Hub or ModelScope."))
+    hub_push_max_retries: int = Field(4, ge=0, description=(
+        "Retries of a hub push after a transient failure (connection error, 5xx, 429), with exponential "
+        "backoff; none after 401/403/404."))
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
 
     @field_validator("base_models", mode="before")
@@ -170,6 +195,14 @@ class ServiceSettings(BaseSettings):
 
 class ClusterSettings(ServiceSettings):
     """Settings of the cluster processes (`carpool serve --mode cluster`, `scheduler`, `worker`, `cluster up`).
+    @property
+    def resolved_s3_cache_dir(self) -> Path:
+        return self.s3_cache_dir or self.data_dir / "s3-cache"
+
+    @property
+    def hub_secret_path(self) -> Path:
+        return self.data_dir / "secrets" / "hub-tokens.key"
+
 
     Everything of `ServiceSettings` applies (limits, data dir for checkpoints); `database_url` must point at
     PostgreSQL shared by every process, and the data dir (checkpoints, snapshots) must be shared storage.
@@ -206,4 +239,9 @@ class ClusterSettings(ServiceSettings):
 
     @property
     def resolved_snapshot_dir(self) -> Path:
+    hub_broker_url: str | None = Field(None, description=(
+        "Celery broker of hub pushes (`carpool hub-worker` consumes it); default: redis_url."))
+    metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "Port of the Prometheus /metrics endpoint of a scheduler (`carpool scheduler`) or hub worker, which "
+        "serve no other HTTP; unset: none. Gateways serve /metrics on their own port."))
         return self.snapshot_dir or self.data_dir / "snapshots"

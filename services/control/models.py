@@ -97,7 +97,7 @@ class ModelOps:
         model_id, request_id, is_new, checkpoint, served = await self._ctx.tx(tx)
         if is_new:
             command = Load(AdapterId(model_id), self._ctx.store.local_path(checkpoint.storage_uri),
-                           with_optimizer, model_id, parsed.uri)
+                           with_optimizer, model_id, parsed.uri, self._ctx.store.remote)
             self._ctx.enqueue(served, tenant, request_id, model_id, RequestKind.LOAD, 0, payload=command)
         return Submitted(request_id, model_id)
 

@@ -176,7 +176,8 @@ class CheckpointLoader:
         attempt = LoadAttempt(new_request_id(), 0 if previous is None else previous.attempt + 1)
         standing = await asyncio.to_thread(self._ledger.begin, adapter_id, attempt)
         if standing.request_id == attempt.request_id:
-            command = Load(adapter_id, checkpoint.local_path, False, ModelId(adapter_id), checkpoint.tinker_path)
+            command = Load(adapter_id, checkpoint.local_path, False, ModelId(adapter_id), checkpoint.tinker_path,
+                           self._ctx.store.remote)
             self._ctx.enqueue(served, tenant, attempt.request_id, adapter_id, RequestKind.LOAD, attempt.attempt,
                               payload=command)
         return standing

@@ -124,7 +124,7 @@ class TrainingOps:
                               f"this model on {run.base_model}", field="path")
             run.lora_rank, run.lora_config = source.lora_rank, dict(source.lora_config)
             local = self._ctx.store.local_path(checkpoint.storage_uri)
-            load = Load(AdapterId(model_id), local, with_optimizer, model_id, parsed.uri)
+            load = Load(AdapterId(model_id), local, with_optimizer, model_id, parsed.uri, self._ctx.store.remote)
             return Prepared(RequestKind.LOAD, load)
 
         return await self._submitter.submit(OrderedCall(tenant, model_id, seq_id, "load_weights", prepare))
@@ -144,6 +144,10 @@ class TrainingOps:
             record = self._record(tenant, model_id, kind, name, options)
             local = self._ctx.store.local_path(record.storage_uri)
             recipients = _age_recipients(kind, options)
+            if recipients and self._ctx.store.remote:
+                # Encryption runs after the worker's upload; with S3 it would leave plaintext in the bucket.
+                raise Invalid("age_encryption_recipients is not supported with S3 checkpoint storage yet",
+                              field="age_encryption_recipients")
             if recipients:
                 return Prepared(RequestKind.SAVE, EncryptedSave(AdapterId(model_id), local, False, kind, record,
                                                                 recipients))

@@ -245,6 +245,29 @@ class AuditLogRow(Base):
     key); `tenant_id` is the tenant affected, kept without a foreign key so the record outlives the tenant.
     """
 
+    # Issue 11 (migration 0004): what to push to, and what the hub answered.
+    revision: Mapped[str | None] = mapped_column(String(256))
+    """The branch to commit to (None: the repo's default branch)."""
+    commit_message: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    started_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    hub_revision: Mapped[str | None] = mapped_column(String(128))
+    """The commit the push created (or found already there, on a retry)."""
+    url: Mapped[str | None] = mapped_column(String(512))
+
+
+class HubCredentialRow(Base):
+    """A tenant's token for one hub, encrypted with the server key (never returned, never logged)."""
+
+    __tablename__ = "hub_credentials"
+    __table_args__ = (UniqueConstraint("tenant_id", "target"), _one_of("target", HUB_TARGETS))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[TenantId] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    target: Mapped[HubTarget] = mapped_column(String(8))
+    token_ciphertext: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     __tablename__ = "audit_log"
     __table_args__ = (Index(None, "tenant_id", "id"),)
 

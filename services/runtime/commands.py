@@ -107,9 +107,11 @@ class Load:
     with_optimizer: bool
     model_id: ModelId
     tinker_path: str
+    remote: bool = False
+    """`path` names a remote store's checkpoint, fetched by the worker's backend (not checkable here)."""
 
     def run(self, backend: Backend) -> object:
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             return WorkError(f"checkpoint {self.tinker_path} has no stored files", "user")
         backend.load_adapter(self.adapter_id, self.path, with_optimizer=self.with_optimizer)
         return WeightsLoaded(self.model_id, self.tinker_path)

@@ -28,6 +28,9 @@ class InvalidToken(StorageError):
 class CheckpointStore(Protocol):
     """Checkpoint directories addressed by an opaque URI (what `CheckpointRow.storage_uri` holds)."""
 
+    remote: bool
+    """False: `local_path` holds the files. True: it is a cache path that workers fill from the store."""
+
     def uri_for(self, tenant_id: str, training_run_id: str, kind: CheckpointKind, name: str) -> str:
         """The URI of checkpoint `name` of a run (nothing is created)."""
         ...

@@ -29,7 +29,9 @@ from services.db.testing import scratch_postgres_database
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
 from services.runtime import LoopConfig, SchedulerLoop
 from services.scheduler import Scheduler, SchedulerLimits
-from services.storage import LocalCheckpointStore, UrlSigner
+from services.storage import CheckpointStore, LocalCheckpointStore, UrlSigner
+from services.storage.s3 import S3CheckpointStore
+from services.storage.staging import StagedBackend
 from tests.required import require_postgres
 from worker.engine.engine import Engine, EngineConfig
 
@@ -44,7 +46,7 @@ class Harness:
     loop: SchedulerLoop
     engine: Engine
     db: Database
-    store: LocalCheckpointStore
+    store: CheckpointStore
     queue: InMemoryWorkQueue
     aio: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
 
@@ -91,13 +93,16 @@ def build_harness(
     *,
     batch_window_s: float = 0.005,
     options: ControlOptions | None = None,
+    store: CheckpointStore | None = None,
 ) -> Harness:
+    """A control plane + loop + engine; `store` (default: local under data_dir) may be an S3 store."""
     db = open_database(database_url, migrate=True)
     engine = Engine(model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
+    store = store or LocalCheckpointStore(data_dir / "checkpoints", UrlSigner(SECRET))
     queue, results, notifier = InMemoryWorkQueue(), InMemoryResultStore(), InMemoryNotifier()
     loop = SchedulerLoop(
         BASE,
-        engine,
+        StagedBackend(engine, store) if isinstance(store, S3CheckpointStore) else engine,
         queue,
         results,
         notifier,
@@ -106,7 +111,6 @@ def build_harness(
         config=LoopConfig(poll_s=0.05, batch_window_s=batch_window_s),
     )
     served = ServedModel(engine.info, engine.limits, queue=BASE, stats=loop.stats)
-    store = LocalCheckpointStore(data_dir / "checkpoints", UrlSigner(SECRET))
     opts = options or ControlOptions(scratch_dir=data_dir / "scratch")
     control = ServiceControlPlane(db, queue, results, notifier, store, [served], opts)
     loop.start()

@@ -50,6 +50,19 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class S3Settings:
+    """`CARPOOL_STORAGE_URL=s3://...` and its knobs, as a replica needs them (see deploy/settings.py)."""
+
+    url: str
+    endpoint_url: str | None = None
+    cache_dir: str | None = None
+    """Default: <data_dir>/s3-cache."""
+    cache_max_bytes: int = 10 << 30
+    multipart_threshold: int = 64 << 20
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Everything a replica needs to find Redis and its model, plus the deployments to run."""
 
@@ -60,6 +73,8 @@ class ClusterConfig:
     cache_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     base_models: tuple[WorkerSpec, ...] = ()
+    storage: S3Settings | None = None
+    """Checkpoints on S3 (replicas upload saves and fetch loads through it); None: a shared local dir."""
 
     def spec(self, name: str) -> WorkerSpec:
         for spec in self.base_models:

@@ -23,6 +23,7 @@ from services.storage import safe_component
 from worker.engine.engine import Engine, EngineConfig
 from worker.models.sources import resolve_model_source
 from worker.serve.config import ClusterConfig, WorkerSpec
+from worker.serve.storage import staged_engine
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class ReplicaHost:
         keys = ClusterKeys(spec.name, config.prefix)
         info = ReplicaInfo(self.replica_id, spec.name, socket.gethostname(), os.getpid(), time.time())
         published = PublishedModel(self.engine.info, self.engine.limits)
-        self._executor = ReplicaExecutor(self.engine, scratch_dir=Path(config.data_dir) / "scratch")
+        self._executor = ReplicaExecutor(staged_engine(self.engine, config),
+                                         scratch_dir=Path(config.data_dir) / "scratch")
         self._endpoint = RedisReplicaEndpoint(connect(config.redis_url), keys, info, published,
                                               heartbeat_ttl_s=config.heartbeat_ttl_seconds)
         self._endpoint.start(self._executor.handle)
