@@ -20,6 +20,7 @@ from services.auth.tenants import Tenant, create_tenant_with_key
 from services.control.api import Done, Failed, FutureState, Pending
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
+from services.control.quotas import QuotaStore
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, database_url_for_data_dir, open_database
@@ -94,8 +95,10 @@ def build_harness(
     batch_window_s: float = 0.005,
     options: ControlOptions | None = None,
     store: CheckpointStore | None = None,
+    quota_store: QuotaStore | None = None,
 ) -> Harness:
-    """A control plane + loop + engine; `store` (default: local under data_dir) may be an S3 store."""
+    """A control plane + loop + engine; `store` (default: local under data_dir) may be an S3 store;
+    `quota_store` (default: in-process on the real clock) lets a test drive the token buckets' clock."""
     db = open_database(database_url, migrate=True)
     engine = Engine(model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
     store = store or LocalCheckpointStore(data_dir / "checkpoints", UrlSigner(SECRET))
@@ -112,7 +115,7 @@ def build_harness(
     )
     served = ServedModel(engine.info, engine.limits, queue=BASE, stats=loop.stats)
     opts = options or ControlOptions(scratch_dir=data_dir / "scratch")
-    control = ServiceControlPlane(db, queue, results, notifier, store, [served], opts)
+    control = ServiceControlPlane(db, queue, results, notifier, store, [served], opts, quota_store=quota_store)
     loop.start()
     return Harness(control, loop, engine, db, store, queue)
 

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from gateway.settings import GatewaySettings
 from services.auth.tenants import Tenant, create_tenant_with_key
 from services.control.api import Done, QuotaExceeded
 from services.control.context import ControlOptions
-from services.control.quotas import QuotaGate, QuotaOptions, RedisQuotaStore
+from services.control.quotas import InProcessQuotaStore, QuotaGate, QuotaOptions, RedisQuotaStore
 from services.db import database_url_for_data_dir
 from services.db.ids import ModelId, TenantId
 from services.db.request_log import list_requests
@@ -43,12 +43,22 @@ REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 WINDOW_S = 2.0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class Live:
     url: str
     harness: Harness
     statuses: list[int]
     keys: dict[str, str]
+    calls: list[tuple[str, int]]
+    """(path, status) of every answered request, in order."""
 
 
 def _free_port() -> int:
@@ -57,11 +67,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _count_statuses(app: FastAPI, statuses: list[int]) -> None:
+def _count_statuses(app: FastAPI, statuses: list[int], calls: list[tuple[str, int]]) -> None:
     @app.middleware("http")
     async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
         response: Response = await call_next(request)
         statuses.append(response.status_code)
+        calls.append((request.url.path, response.status_code))
         return response
 
 
@@ -76,16 +87,15 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     app = create_app(GatewaySettings(long_poll_seconds=5, auth_cache_seconds=0), harness.control,
                      DatabaseAuthenticator(harness.db, cache_seconds=0))
     statuses: list[int] = []
-    _count_statuses(app, statuses)
+    calls: list[tuple[str, int]] = []
+    _count_statuses(app, statuses, calls)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_until(lambda: server.started), "uvicorn did not start"
     try:
-        yield Live(f"http://127.0.0.1:{port}", harness, statuses, keys)
+        yield Live(f"http://127.0.0.1:{port}", harness, statuses, keys, calls)
     finally:
         server.should_exit = True
         thread.join(10)
@@ -101,15 +111,14 @@ def _datum(n: int) -> types.Datum:
 def test_sdk_training_call_finishes_after_429s_once_the_bucket_refills(live: Live) -> None:
     client = tinker.ServiceClient(base_url=live.url, api_key=live.keys["tpm"])
     training = client.create_lora_training_client(base_model=BASE, rank=2).result()
-    refusals_before = live.statuses.count(429)
-    started = time.monotonic()
+    calls_before = len(live.calls)
     first = training.forward_backward([_datum(16)], "cross_entropy").result()  # 16 of 24 tokens
     second = training.forward_backward([_datum(16)], "cross_entropy").result()  # 8 left: waits for 8 more
-    elapsed = time.monotonic() - started
     training.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # no tokens: never refused
     assert first.metrics["loss:sum"] > 0 and second.metrics["loss:sum"] > 0
-    assert live.statuses.count(429) > refusals_before
-    assert elapsed >= 8 / (24 / WINDOW_S) * 0.9  # it waited for the refill the Retry-After announced
+    answers = [status for path, status in live.calls[calls_before:] if path.endswith("/forward_backward")]
+    assert answers[:2] == [200, 429] and answers[-1] == 200, answers  # refused, retried until accepted
+    assert 429 not in [s for path, s in live.calls[calls_before:] if path.endswith("/optim_step")]
     tenant_id, model_id = _tenant_id(live, "tpm"), ModelId(training.model_id or "")
     with live.harness.db.sessions.begin() as db:  # one request per seq id: the refusal consumed nothing
         rows = [r for r in list_requests(db, tenant_id, model_id=model_id) if r.seq_id]
@@ -130,10 +139,34 @@ def test_sdk_sampling_finishes_after_429s(live: Live) -> None:
 def test_sdk_pipelined_step_finishes_under_a_concurrency_limit_of_one(live: Live) -> None:
     client = tinker.ServiceClient(base_url=live.url, api_key=live.keys["conc"])
     training = client.create_lora_training_client(base_model=BASE, rank=2).result()
-    fb = training.forward_backward([_datum(8)], "cross_entropy")
-    optim = training.optim_step(types.AdamParams(learning_rate=1e-3))  # refused while fb is unfinished
+    tenant_id, model_id = _tenant_id(live, "conc"), ModelId(training.model_id or "")
+    calls_before = len(live.calls)
+    live.harness.loop.stop()  # hold the forward_backward unfinished (queued) while the optim_step arrives
+    try:
+        fb = training.forward_backward([_datum(8)], "cross_entropy")
+        assert wait_until(lambda: _logged_seq_ids(live, tenant_id, model_id) == [1]), "fb never logged"
+        optim = training.optim_step(types.AdamParams(learning_rate=1e-3))  # refused while fb is unfinished
+        assert wait_until(lambda: ("/api/v1/optim_step", 429) in live.calls[calls_before:]), live.calls
+    finally:
+        live.harness.loop.start()
     assert fb.result().metrics["loss:sum"] > 0
-    optim.result()
+    optim.result()  # the SDK's retry went through once fb had finished
+    assert _logged_seq_ids(live, tenant_id, model_id) == [1, 2]
+
+
+def _logged_seq_ids(live: Live, tenant_id: TenantId, model_id: ModelId) -> list[int]:
+    with live.harness.db.sessions.begin() as db:
+        return sorted(r.seq_id for r in list_requests(db, tenant_id, model_id=model_id) if r.seq_id)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False): a bound for a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _tenant_id(live: Live, name: str) -> TenantId:
@@ -147,7 +180,9 @@ def test_an_abandoned_refused_seq_id_is_consumed_and_the_model_moves_on(tiny_mod
                                                                          tmp_path: Path) -> None:
     quotas = QuotaOptions(token_window_s=1.0, sdk_retry_gap_s=0.2, abandon_grace_s=0.2)
     options = ControlOptions(scratch_dir=tmp_path / "scratch", quotas=quotas)
-    h = build_harness(database_url_for_data_dir(tmp_path), tiny_model_dir, tmp_path, options=options)
+    clock = FakeClock()  # the bucket and the refusal marker; the reaper's timer runs on the event loop
+    h = build_harness(database_url_for_data_dir(tmp_path), tiny_model_dir, tmp_path, options=options,
+                      quota_store=InProcessQuotaStore(clock=clock))
     try:
         with h.db.sessions.begin() as db:
             tenant, _ = create_tenant_with_key(db, "quitter", quotas=TenantQuotas(tokens_per_minute=10))
@@ -159,9 +194,10 @@ def test_an_abandoned_refused_seq_id_is_consumed_and_the_model_moves_on(tiny_mod
         h.run(control.forward_backward(tenant, model_id, 1, _work(8)))  # 8 of 10 tokens
         with pytest.raises(QuotaExceeded):
             h.run(control.forward_backward(tenant, model_id, 2, _work(8)))  # refused; the client gives up
-        time.sleep(1.0)  # the bucket refills; the SDK has moved on to seq 3
-        later = h.run(control.optim_step(tenant, model_id, 3, AdamParams(learning_rate=1e-3)))
-        assert isinstance(h.result(tenant, later.request_id, timeout_s=30), Done)  # seq 2 was consumed
+        clock.now += 10  # the bucket refills and the refusal's marker expires: no retry came in time
+        later = h.run(control.optim_step(tenant, model_id, 3, AdamParams(learning_rate=1e-3)))  # the SDK's next
+        # Polling runs the event loop, where the reaper's timer fires and consumes seq 2 so seq 3 can run.
+        assert isinstance(h.result(tenant, later.request_id, timeout_s=60), Done)
         retry = h.run(control.forward_backward(tenant, model_id, 2, _work(8)))  # a very late retry
         assert "seq_id was consumed" in getattr(h.result(tenant, retry.request_id), "error", "")
     finally:
@@ -189,12 +225,15 @@ def test_redis_store_is_one_bucket_for_every_gateway_process(redis_client: objec
     gateway_a, gateway_b = RedisQuotaStore(redis_client, prefix=prefix), RedisQuotaStore(redis_client, prefix=prefix)
     assert gateway_a.take("t", 600, capacity=1000, window_s=60) == 0.0
     wait_s = gateway_b.take("t", 600, capacity=1000, window_s=60)  # the other process sees the same bucket
-    assert wait_s == pytest.approx(200 / (1000 / 60), abs=0.05)
+    # 200 tokens missing at 1000 per minute: 12 s, less whatever refilled between the two calls (Redis's
+    # clock; the exact arithmetic is checked on a fake clock in tests/unit/test_quotas_core.py).
+    assert 0 < wait_s <= 200 / (1000 / 60)
+    assert gateway_a.take("t", 600, capacity=1000, window_s=60) > 0  # refused on either: nothing was taken
     assert gateway_a.take("other", 1000, capacity=1000, window_s=60) == 0.0
     gateway_a.mark("refused:m:1", 0.2)
-    assert gateway_b.marked("refused:m:1")
-    time.sleep(0.3)
-    assert not gateway_b.marked("refused:m:1")
+    gateway_a.mark("refused:m:2", 600)
+    assert wait_until(lambda: not gateway_b.marked("refused:m:1")), "the 0.2 s marker never expired"
+    assert gateway_b.marked("refused:m:2")  # seen by the other process until it expires
 
 
 def test_redis_store_refills_and_is_exact_about_when(redis_client: object) -> None:
@@ -204,19 +243,48 @@ def test_redis_store_refills_and_is_exact_about_when(redis_client: object) -> No
     gate.charge_tokens(tenant, 100)
     with pytest.raises(QuotaExceeded) as refused:
         gate.charge_tokens(tenant, 50)
-    assert refused.value.retry_after_s == pytest.approx(0.5, abs=0.05)
-    time.sleep(refused.value.retry_after_s + 0.02)
-    gate.charge_tokens(tenant, 50)
+    first_hint = refused.value.retry_after_s
+    assert 0 < first_hint <= 0.5  # 50 tokens at 100 per second, less what refilled since (Redis's clock)
+    with pytest.raises(QuotaExceeded) as again:
+        gate.charge_tokens(tenant, 50)
+    assert 0 < again.value.retry_after_s <= first_hint  # the wait only shrinks: the refusal took nothing
+
+    def accepted() -> bool:
+        try:
+            gate.charge_tokens(tenant, 50)
+        except QuotaExceeded:
+            return False
+        return True
+
+    assert wait_until(accepted), "the bucket never refilled"
+    with pytest.raises(QuotaExceeded):  # and that took the 50 again
+        gate.charge_tokens(tenant, 100)
 
 
 def test_quota_refusals_leave_the_event_loop_usable() -> None:
-    """The reaper's timers live on the caller's loop; a closed loop must not make later gates fail."""
-    async def refuse() -> None:
-        async def consume(*_: object) -> None:
-            return None
+    """The reaper's timers live on the caller's loop; a closed loop must not make the same gate fail later.
 
-        QuotaGate(QuotaOptions(sdk_retry_gap_s=0.01, abandon_grace_s=0.01)).refused(
-            Tenant(TenantId("t"), "t", False, TenantQuotas()), ModelId("m"), 1, 0.01, consume)
+    One gate for both loops (as one control plane outlives a test client's loop): the first loop closes
+    with a timer still pending; the second refuses the same seq id again, which replaces that timer, and
+    its own timer must still fire and consume the seq id.
+    """
+    gate = QuotaGate(QuotaOptions(sdk_retry_gap_s=0.01, abandon_grace_s=0.01))
+    tenant = Tenant(TenantId("t"), "t", False, TenantQuotas())
+    consumed: list[tuple[int, asyncio.AbstractEventLoop]] = []
 
-    asyncio.run(refuse())
-    asyncio.run(refuse())
+    async def consume(_t: Tenant, _m: ModelId, seq_id: int, _error: str) -> None:
+        consumed.append((seq_id, asyncio.get_running_loop()))
+
+    async def refuse_and_leave() -> None:
+        gate.refused(tenant, ModelId("m"), 1, 0.01, consume)  # the loop ends before the timer fires
+
+    async def refuse_and_wait() -> asyncio.AbstractEventLoop:
+        gate.refused(tenant, ModelId("m"), 1, 0.01, consume)
+        while not consumed:
+            await asyncio.sleep(0.01)
+        return asyncio.get_running_loop()
+
+    asyncio.run(refuse_and_leave())
+    assert consumed == []
+    second_loop = asyncio.run(asyncio.wait_for(refuse_and_wait(), timeout=30))
+    assert consumed == [(1, second_loop)]  # consumed once, by the timer on the live loop

@@ -27,7 +27,7 @@ from gateway.settings import GatewaySettings
 from services.auth.tenants import create_tenant_with_key
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
-from services.control.quotas import QuotaOptions
+from services.control.quotas import InProcessQuotaStore, QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, database_url_for_data_dir, open_database
@@ -48,12 +48,23 @@ TENANTS = {
 }
 
 
+class FakeClock:
+    """The token buckets' clock: frozen unless a test moves it, so a Retry-After is exact, not ± jitter."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class Stack:
     http: TestClient
     db: Database
     loop: SchedulerLoop
     keys: dict[str, str]
+    clock: FakeClock
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +80,17 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     served = ServedModel(engine.info, engine.limits, queue=BASE, stats=loop.stats)
     store = LocalCheckpointStore(data_dir / "checkpoints", UrlSigner(b"0123456789abcdef0123456789abcdef"))
     quotas = QuotaOptions(token_window_s=1.0, saturation_wait_s=2.0, saturation_queue_depth=None)
+    clock = FakeClock()
     control = ServiceControlPlane(db, queue, results, notifier, store, [served],
-                                  ControlOptions(scratch_dir=data_dir / "scratch", quotas=quotas))
+                                  ControlOptions(scratch_dir=data_dir / "scratch", quotas=quotas),
+                                  quota_store=InProcessQuotaStore(clock=clock))
     with db.sessions.begin() as session:
         keys = {name: create_tenant_with_key(session, name, quotas=q)[1].key for name, q in TENANTS.items()}
     settings = GatewaySettings(long_poll_seconds=0.5, auth_cache_seconds=0)
     app = create_app(settings, control, DatabaseAuthenticator(db, cache_seconds=0))
     loop.start()
     with TestClient(app) as http:
-        yield Stack(http, db, loop, keys)
+        yield Stack(http, db, loop, keys, clock)
     loop.stop()
     db.dispose()
 
@@ -141,15 +154,18 @@ def sdk_retry_delay(response: httpx.Response) -> float | None:
 def test_over_tokens_per_minute_is_429_and_the_retry_of_the_same_seq_id_succeeds(stack: Stack) -> None:
     tpm = Caller(stack, "tpm")
     model_id = tpm.model().json()["model_id"]
+    stack.clock.now += 60  # a full bucket, whatever ran before
     assert tpm.forward_backward(model_id, 1).status_code == 200
     refused = tpm.forward_backward(model_id, 2)
     assert refused.status_code == 429, refused.text
-    wait_s = (DATUM_TOKENS - (8 - DATUM_TOKENS)) / 8  # 2 missing tokens at 8 per second
+    wait_s = (DATUM_TOKENS - (8 - DATUM_TOKENS)) / 8  # 2 missing tokens at 8 per second (the clock stood still)
     assert int(refused.headers["Retry-After"]) == math.ceil(wait_s)
-    assert float(refused.headers["retry-after-ms"]) == pytest.approx(wait_s * 1000, abs=50)
+    assert float(refused.headers["retry-after-ms"]) == pytest.approx(wait_s * 1000, abs=1)  # ms rounding only
     assert 0 < (sdk_retry_delay(refused) or 0) <= 60  # the SDK will wait exactly that, then retry
     assert "tokens per minute" in refused.json()["detail"]
-    time.sleep(float(refused.headers["retry-after-ms"]) / 1000)
+    stack.clock.now += wait_s * 0.9
+    assert tpm.forward_backward(model_id, 2).status_code == 429  # not yet: the hint was not too long
+    stack.clock.now += wait_s * 0.1
     accepted = tpm.forward_backward(model_id, 2)  # the SDK re-sends the same seq id: not consumed
     assert accepted.status_code == 200, accepted.text
     assert "loss:sum" in tpm.result(accepted.json()["request_id"])["metrics"]
@@ -205,12 +221,13 @@ def test_model_limit_is_429(stack: Stack) -> None:
 def test_pending_future_reports_paused_capacity_while_it_waits_on_a_saturated_model(stack: Stack) -> None:
     plain = Caller(stack, "plain")
     model_id = plain.model().json()["model_id"]
-    submitted = time.monotonic()
     waiting = plain.forward_backward(model_id, 2).json()["request_id"]  # queued until seq 1 arrives
     early = TryAgainResponse.model_validate(plain.poll(waiting), strict=True)
     assert early.queue_state == "active"
-    time.sleep(max(0.0, 2.0 - (time.monotonic() - submitted)))
-    late = plain.poll(waiting)
+    late = plain.poll(waiting)  # the long poll (0.5 s) answers try_again until the 2 s saturation wait passed
+    deadline = time.monotonic() + 60
+    while late.get("queue_state") == "active" and time.monotonic() < deadline:
+        late = plain.poll(waiting)
     assert TryAgainResponse.model_validate(late, strict=True).queue_state == "paused_capacity"
     assert "capacity" in late["queue_state_reason"]
     plain.forward_backward(model_id, 1)
