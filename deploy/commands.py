@@ -63,11 +63,24 @@ def serve(
         fail(str(exc))
 
 
-def migrate(data_dir: Path | None = _data_dir_option()) -> None:
+def migrate(
+    data_dir: Path | None = _data_dir_option(),
+    check: bool = typer.Option(False, "--check", help=(
+        "Change nothing: exit 0 when the database is at this code's schema, else 1 saying why (the init "
+        "check of gateway and scheduler pods).")),
+) -> None:
     """Upgrade the configured database to the current schema (run once per release in production)."""
     from deploy.admin import migrate as run_migrate
 
     settings = _settings(data_dir=data_dir)
+    if check:
+        from deploy.schema_check import schema_problem
+
+        problem = schema_problem(settings)
+        if problem:
+            fail(problem)
+        typer.echo("database schema is current")
+        return
     typer.echo(f"database at revision {run_migrate(settings)}")
 
 
