@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TextIO
 
 from sqlalchemy import func, select
@@ -99,12 +99,13 @@ def create_tenant(settings: ServiceSettings, name: str, *, is_admin: bool = Fals
 
 
 def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) -> tuple[str, TenantQuotas]:
-    """Change some of a tenant's quotas (`max_models`, `tokens_per_minute`, `max_concurrent_requests`).
+    """Change some of a tenant's quotas (the fields of `TenantQuotas`: models, tokens per minute, concurrent
+    requests, checkpoints and their bytes, sessions, sampling sessions).
 
     A change of None leaves that quota as it is; 0 removes it (the server-wide default applies again).
     Returns (tenant name, the quotas now in force). Gateways pick them up within their auth cache time.
     """
-    unknown = set(changes) - {"max_models", "tokens_per_minute", "max_concurrent_requests"}
+    unknown = set(changes) - {f.name for f in fields(TenantQuotas)}
     if unknown:
         raise AdminError(f"unknown quota {sorted(unknown)[0]!r}")
     negative = [name for name, value in changes.items() if value is not None and value < 0]

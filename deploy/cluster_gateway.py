@@ -32,6 +32,7 @@ from deploy.embedded import (
     _control_options,
     build_gateway_app,
     install_key_redaction,
+    sweeper_thread,
 )
 from deploy.settings import ClusterSettings
 from services.control.api import RuntimeStats
@@ -77,7 +78,8 @@ def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = Non
         log.warning("the result notifier is not subscribed yet; long-polls re-check once it is")
     served = [_served(settings, client, name, published)
               for name, published in wait_for_models(client, settings).items()]
-    control = ServiceControlPlane(db, queue, results, notifier, _checkpoint_store(settings), served,
+    store = _checkpoint_store(settings)
+    control = ServiceControlPlane(db, queue, results, notifier, store, served,
                                   _control_options(settings), samplers=RedisSamplerDirectory(client, prefix=prefix),
                                   loads=RedisLoadLedger(client, prefix=prefix),
                                   quota_store=RedisQuotaStore(client, prefix=prefix))
@@ -144,4 +146,5 @@ def serve_cluster_gateway(settings: ClusterSettings) -> None:
         log.info("cluster gateway serving on http://%s:%d", settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
     finally:
+    gateway.service.start()  # no scheduler loops here: the sweeper
         gateway.close()

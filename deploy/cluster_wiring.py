@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from sqlalchemy.exc import OperationalError
@@ -61,13 +62,43 @@ def s3_settings(settings: ClusterSettings) -> S3Settings | None:
 
 
 def connect_redis(settings: ClusterSettings) -> redis.Redis:
+    """The cluster's Redis client. Refuses a Redis without a password or TLS unless explicitly allowed:
+    whoever can write to it controls the queue, the results and the workers."""
+    check_redis_trust(settings.redis_url, allow_insecure=settings.allow_insecure_redis)
     client = connect(settings.redis_url)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise StartupError(f"Redis unreachable at {settings.redis_url}: {exc}\n"
+        raise StartupError(f"Redis unreachable at {redacted_url(settings.redis_url)}: {redacted(exc, settings)}\n"
                            "Fix: start Redis (with AOF) or set CARPOOL_REDIS_URL.") from exc
     return client
+
+
+def check_redis_trust(url: str, *, allow_insecure: bool) -> None:
+    """`StartupError` for a Redis URL with neither a password nor TLS, unless `allow_insecure`."""
+    parts = urlsplit(url)
+    if allow_insecure or parts.scheme == "rediss" or parts.password:
+        return
+    raise StartupError(f"Redis at {redacted_url(url)} needs neither a password nor TLS; in cluster mode anyone "
+                       "who reaches it controls the queue and the workers.\nFix: set a password "
+                       "(redis://:PASSWORD@host:6379/0, or requirepass / ACLs) or use rediss://; for local "
+                       "development only, set CARPOOL_ALLOW_INSECURE_REDIS=1.")
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password replaced by `***` (for messages and logs)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redacted(exc: Exception, settings: ClusterSettings) -> str:
+    """An exception's text without the Redis password (client errors may quote the URL)."""
+    text = str(exc)
+    password = urlsplit(settings.redis_url).password
+    return text.replace(password, "***") if password else text
 
 
 def open_cluster_database(settings: ClusterSettings) -> Database:

@@ -110,6 +110,10 @@ def tenants_set_quota(
     tokens_per_minute: int | None = typer.Option(None, help="Tokens the tenant may submit per minute (0: no limit)."),
     max_concurrent: int | None = typer.Option(None, help="Unfinished requests the tenant may have (0: no limit)."),
     max_models: int | None = typer.Option(None, help="Models the tenant may hold at once (0: no limit)."),
+    max_checkpoints: int | None = typer.Option(None, help="Checkpoints the tenant may store (0: no limit)."),
+    max_checkpoint_bytes: int | None = typer.Option(None, help="Bytes of stored checkpoints (0: no limit)."),
+    max_sessions: int | None = typer.Option(None, help="Unfinished sessions (0: no limit)."),
+    max_sampling_sessions: int | None = typer.Option(None, help="Sampling sessions (0: no limit)."),
     data_dir: Path | None = _data_dir_option(),
 ) -> None:
     """Change a tenant's quotas; options left out keep their value. Over a quota, requests get HTTP 429."""
@@ -117,7 +121,9 @@ def tenants_set_quota(
 
     try:
         tenant, quotas = set_quotas(_settings(data_dir=data_dir), name, tokens_per_minute=tokens_per_minute,
-                                    max_concurrent_requests=max_concurrent, max_models=max_models)
+                                    max_concurrent_requests=max_concurrent, max_models=max_models,
+                                    max_checkpoints=max_checkpoints, max_checkpoint_bytes=max_checkpoint_bytes,
+                                    max_sessions=max_sessions, max_sampling_sessions=max_sampling_sessions)
     except AdminError as exc:
         fail(str(exc))
 

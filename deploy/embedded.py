@@ -28,6 +28,7 @@ from services.control.quotas import QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, open_database
+from services.control.sweeper import Sweeper, SweeperThread, SweepOptions
 from services.db.request_log import fail_unfinished_requests
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
 from services.runtime import LoopConfig, SchedulerLoop
@@ -62,8 +63,12 @@ class EmbeddedService:
             loop.stop()
         self.db.dispose()
 
+        if self.sweeper is not None:
+            self.sweeper.start()
 
 def install_key_redaction() -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
     """Redact API keys from every log record. Handler filters see records of all loggers (a filter on a
     logger only sees that logger's own records), so the filter goes on the root logger and its handlers."""
     root = logging.getLogger()
@@ -166,7 +171,17 @@ def _quota_options(settings: ServiceSettings) -> QuotaOptions:
                         default_max_concurrent_requests=settings.default_max_concurrent_requests,
                         token_window_s=settings.quota_window_seconds,
                         saturation_queue_depth=settings.saturation_queue_depth,
-                        saturation_wait_s=settings.saturation_wait_seconds)
+                        saturation_wait_s=settings.saturation_wait_seconds,
+                        default_max_checkpoints=settings.default_max_checkpoints,
+                        default_max_checkpoint_bytes=settings.default_max_checkpoint_bytes,
+                        default_max_sessions=settings.default_max_sessions,
+                        default_max_sampling_sessions=settings.default_max_sampling_sessions)
+
+
+def sweeper_thread(settings: ServiceSettings, db: Database, store: CheckpointStore) -> SweeperThread:
+    """The TTL / stale-session sweeper of a gateway process (started with the service)."""
+    options = SweepOptions(interval_s=settings.sweep_interval_seconds, stale_session_s=settings.stale_session_seconds)
+    return SweeperThread(Sweeper(db, store, options))
 
 
 def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> Any:

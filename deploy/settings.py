@@ -114,7 +114,24 @@ class ServiceSettings(BaseSettings):
         "An explicit pass-duration target while two or more tenants train, instead of pass_latency_factor "
         "(the token budget follows the fitted pass cost; one request always fits). Unset: "
         "pass_latency_factor decides."))
-    download_url_ttl_seconds: int = Field(3600, ge=60, description="Lifetime of signed download URLs.")
+    default_max_checkpoints: int | None = Field(None, ge=1, description=(
+        "Checkpoints a tenant may store when it has no max_checkpoints quota of its own (a named save over it "
+        "is a 400); unset: unlimited. Cluster mode: 1000."))
+    default_max_checkpoint_bytes: int | None = Field(None, ge=1, description=(
+        "Bytes of stored checkpoints per tenant when it has no max_checkpoint_bytes quota of its own (a named "
+        "save once it is reached is a 400); unset: unlimited. Cluster mode: 100 GiB."))
+    default_max_sessions: int | None = Field(None, ge=1, description=(
+        "Unfinished sessions per tenant when it has no max_sessions quota of its own (429 over it); unset: "
+        "unlimited. Cluster mode: 200."))
+    default_max_sampling_sessions: int | None = Field(None, ge=1, description=(
+        "Sampling sessions (of unfinished sessions) per tenant when it has no max_sampling_sessions quota of its "
+        "own (429 over it); unset: unlimited. Cluster mode: 2000."))
+    sweep_interval_seconds: float = Field(60.0, gt=0, description=(
+        "How often the sweeper deletes expired checkpoints (rows and files) and finishes stale sessions."))
+    stale_session_seconds: float = Field(3600.0, gt=0, description=(
+        "A session without a heartbeat for this long is finished by the sweeper (the SDK beats every 10 s)."))
+    download_url_ttl_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600, description=(
+        "Lifetime of signed download URLs (at most 7 days)."))
     storage_url: str | None = Field(None, description=(
         "Where checkpoints live: s3://bucket/prefix for S3-compatible storage (credentials from the standard "
         "AWS chain: env, shared config, web identity); unset: <data_dir>/checkpoints on local disk."))

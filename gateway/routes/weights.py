@@ -284,7 +284,7 @@ async def copy_weights(_: CurrentTenant, body: RawBody) -> JSONResponse:
 @router.get("/download/{token:path}", response_class=FileResponse, tags=["download"])
 async def download(token: str, control: Control) -> FileResponse:
     """One file of a checkpoint; the signed token is the credential (no API key)."""
-    path = control.open_signed_file(token)
+    path = await control.open_signed_file(token)
     if not path.is_file():
         raise ApiError(404, "the signed file no longer exists", field="token")
     return FileResponse(path, filename=path.name, media_type="application/octet-stream")

@@ -32,6 +32,7 @@ from services.db.models import CheckpointRow, TrainingRunRow
 from services.db.runs import get_training_run, list_training_runs
 from services.db.usage import usage_totals
 from services.storage.protocol import InvalidToken, StorageError
+from services.storage.signing import token_version
 
 _ALL_TIME = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -119,19 +120,32 @@ class CatalogOps:
         checkpoint, _ = await self._ctx.tx(lambda db: readable_checkpoint(db, tenant, parsed))
         expires = self._ctx.clock() + timedelta(seconds=self._ctx.options.download_url_ttl_s)
         try:
-            urls = self._ctx.store.download_urls(checkpoint.storage_uri, base_url, expires)
+            # Bound to the row: after a delete and a new save under the same name the links stop working.
+            urls = self._ctx.store.download_urls(checkpoint.storage_uri, base_url, expires,
+                                                 version=str(checkpoint.id))
         except StorageError as exc:
             raise NotFound(not_found("checkpoint", parsed.uri), field="path") from exc
         return SignedUrls(urls=urls, expires=expires)
 
-    def open_signed_file(self, token: str) -> Path:
+    async def open_signed_file(self, token: str) -> Path:
         opener = getattr(self._ctx.store, "open_signed", None)
         if opener is None:
             raise NotFound("downloads are not served by this server's checkpoint store")
         try:
-            return Path(opener(token))
+            path = Path(opener(token))
+            version = token_version(token)
         except (InvalidToken, StorageError) as exc:
             raise NotFound(f"download link is invalid or expired: {exc}") from exc
+        if version is not None and not await self._ctx.tx(lambda db: self._still_signed_row(db, version, path)):
+            raise NotFound("download link is invalid or expired: its checkpoint was deleted or replaced")
+        return path
+
+    def _still_signed_row(self, db: Session, version: str, path: Path) -> bool:
+        """Whether checkpoint row `version` still exists, unexpired, and holds `path`."""
+        row = db.get(CheckpointRow, int(version)) if version.isdigit() else None
+        if row is None or (row.expires_at is not None and row.expires_at <= self._ctx.clock()):
+            return False
+        return path.is_relative_to(self._ctx.store.local_path(row.storage_uri).resolve())
 
     # -- usage ------------------------------------------------------------------------------------
     async def usage(self, tenant: Tenant) -> dict[str, float]:

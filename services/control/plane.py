@@ -174,8 +174,8 @@ class ServiceControlPlane:
     async def external_weights_urls(self, tenant: Tenant, tinker_path: str, base_url: str) -> SignedUrls:
         return await self._catalog.external_weights_urls(tenant, tinker_path, base_url)
 
-    def open_signed_file(self, token: str) -> Path:
-        return self._catalog.open_signed_file(token)
+    async def open_signed_file(self, token: str) -> Path:
+        return await self._catalog.open_signed_file(token)
 
     async def usage(self, tenant: Tenant) -> dict[str, float]:
         return await self._catalog.usage(tenant)

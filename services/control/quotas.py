@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import ControlError, Invalid, QuotaExceeded
+from services.db.checkpoints import checkpoint_storage_bytes
 from services.db.ids import ModelId, TenantId
-from services.db.models import RequestRow
+from services.db.models import CheckpointRow, RequestRow, SamplingSessionRow, SessionRow
 from services.db.request_log import UNFINISHED, count_unfinished_requests
 from services.db.runs import count_active_training_runs
 
@@ -79,6 +80,16 @@ class QuotaOptions:
     """Requests queued for one base model from which pending futures report `paused_capacity`."""
     saturation_wait_s: float | None = 30.0
     """A request queued (not running) this long reports `paused_capacity`."""
+    default_max_checkpoints: int | None = None
+    """Stored checkpoints per tenant without a `max_checkpoints` of its own (None: unlimited)."""
+    default_max_checkpoint_bytes: int | None = None
+    """Recorded checkpoint bytes per tenant without a `max_checkpoint_bytes` of its own."""
+    default_max_sessions: int | None = None
+    """Unfinished sessions per tenant without a `max_sessions` of its own."""
+    default_max_sampling_sessions: int | None = None
+    """Sampling sessions (of unfinished sessions) per tenant without a `max_sampling_sessions` of its own."""
+    holdings_retry_after_s: float = 60.0
+    """Retry hint when a session limit is reached (sessions end, or go stale and are swept)."""
 
 
 class QuotaStore(Protocol):
@@ -209,6 +220,42 @@ class QuotaGate:
             raise QuotaExceeded(f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is "
                                 f"{limit}", retry_after_s=self.options.concurrency_retry_after_s)
 
+    def check_storage(self, db: Session, tenant: Tenant, *, replacing: bool = False) -> None:
+        """Before a named save: `Invalid` (400) when the tenant's stored checkpoints reach a limit.
+
+        Not a 429: only deleting checkpoints (or their TTL passing) frees space, so retrying cannot help.
+        `replacing`: an overwrite of an existing checkpoint adds no checkpoint (bytes are still checked).
+        """
+        opts, tenant_id = self.options, TenantId(tenant.id)
+        count_limit = _first_set(tenant.quotas.max_checkpoints, opts.default_max_checkpoints)
+        if count_limit is not None and not replacing:
+            stored = count_tenant_checkpoints(db, tenant_id)
+            if stored >= count_limit:
+                raise Invalid(f"tenant {tenant.name} stores {stored} checkpoints, its limit (max_checkpoints) is "
+                              f"{count_limit}; delete some or let their TTL expire", field="max_checkpoints")
+        bytes_limit = _first_set(tenant.quotas.max_checkpoint_bytes, opts.default_max_checkpoint_bytes)
+        if bytes_limit is not None:
+            used = checkpoint_storage_bytes(db, tenant_id)
+            if used >= bytes_limit:
+                raise Invalid(f"tenant {tenant.name} stores {used} bytes of checkpoints, its limit "
+                              f"(max_checkpoint_bytes) is {bytes_limit}; delete some or let their TTL expire",
+                              field="max_checkpoint_bytes")
+
+    def check_sessions(self, db: Session, tenant: Tenant) -> None:
+        """Before creating a session: `QuotaExceeded` at the tenant's limit of unfinished sessions."""
+        limit = _first_set(tenant.quotas.max_sessions, self.options.default_max_sessions)
+        if limit is not None and (live := count_live_sessions(db, TenantId(tenant.id))) >= limit:
+            raise QuotaExceeded(f"tenant {tenant.name} has {live} unfinished sessions, its limit (max_sessions) is "
+                                f"{limit}", retry_after_s=self.options.holdings_retry_after_s)
+
+    def check_sampling_sessions(self, db: Session, tenant: Tenant) -> None:
+        """Before creating a sampling session: `QuotaExceeded` at the tenant's limit."""
+        limit = _first_set(tenant.quotas.max_sampling_sessions, self.options.default_max_sampling_sessions)
+        if limit is not None and (live := count_live_sampling_sessions(db, TenantId(tenant.id))) >= limit:
+            raise QuotaExceeded(f"tenant {tenant.name} has {live} sampling sessions, its limit "
+                                f"(max_sampling_sessions) is {limit}",
+                                retry_after_s=self.options.holdings_retry_after_s)
+
     def charge_tokens(self, tenant: Tenant, tokens: int) -> None:
         """Take an accepted request's tokens from the tenant's bucket, or refuse it."""
         limit = _first_set(tenant.quotas.tokens_per_minute, self.options.default_tokens_per_minute)
@@ -288,6 +335,24 @@ class _AbandonedSeqReaper:
             log.debug("seq_id %d of model %s not consumed: %s", seq_id, model_id, exc.message)
         except Exception:  # noqa: BLE001 - a timer callback has no caller to report to
             log.exception("could not consume abandoned seq_id %d of model %s", seq_id, model_id)
+
+
+def count_tenant_checkpoints(db: Session, tenant_id: TenantId) -> int:
+    return int(db.scalar(select(func.count()).select_from(CheckpointRow).where(CheckpointRow.tenant_id == tenant_id))
+               or 0)
+
+
+def count_live_sessions(db: Session, tenant_id: TenantId) -> int:
+    stmt = select(func.count()).select_from(SessionRow).where(SessionRow.tenant_id == tenant_id,
+                                                              SessionRow.finished_at.is_(None))
+    return int(db.scalar(stmt) or 0)
+
+
+def count_live_sampling_sessions(db: Session, tenant_id: TenantId) -> int:
+    stmt = (select(func.count()).select_from(SamplingSessionRow)
+            .join(SessionRow, SessionRow.id == SamplingSessionRow.session_id)
+            .where(SamplingSessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)))
+    return int(db.scalar(stmt) or 0)
 
 
 def _first_set(*values: int | None) -> int | None:

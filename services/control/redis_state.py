@@ -5,8 +5,8 @@
 
 Bindings never change once written, so each process caches the ones it has read. A load attempt is
 claimed with HSETNX on its number, so when two gateways start the same attempt only one enqueues it and
-both wait for that one's result. Keys carry no TTL: a binding is as long-lived as its sampling session
-(the database row); an operator may expire them with the sessions they belong to.
+both wait for that one's result. Bindings expire after `BINDING_TTL_S` (a gateway that finds none rebuilds it
+from the database row and re-checks that the checkpoint is still readable); load attempts carry no TTL.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from services.domain.training import AdapterId
 from services.jobqueue.redis_queue import DEFAULT_PREFIX, default_retry
 
 T = TypeVar("T")
+BINDING_TTL_S = 7 * 24 * 3600
+"""Lifetime of a shared sampler binding on Redis (rebuilt from the database when gone)."""
 log = logging.getLogger(__name__)
 
 
@@ -52,7 +54,8 @@ class RedisSamplerDirectory(_Shared):
         return f"{self._prefix}:sampler:{sampling_id}"
 
     def bind(self, sampling_id: SamplingSessionId, binding: SamplerBinding) -> None:
-        self._call(lambda: self._client.set(self.key(sampling_id), json.dumps(asdict(binding))))
+        payload = json.dumps(asdict(binding))
+        self._call(lambda: self._client.set(self.key(sampling_id), payload, ex=BINDING_TTL_S))
         with self._lock:
             self._cache[sampling_id] = binding
 

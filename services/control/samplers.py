@@ -11,6 +11,11 @@ A sampling session samples from one of three things:
 Loads go through the base model's scheduler loop like any request: the pseudo-model named after the
 adapter gets seq 0 for its first load attempt, seq 1 after a failed one, and so on.
 
+A binding to a checkpoint is not forever: the checkpoint may be deleted, unpublished or replaced (a new
+row under the same path) after the session was created. `BindingCheck` re-reads readability for the
+session's tenant before a sample (cached `RECHECK_S` per session), so revocation takes effect within
+seconds for every tenant sampling it.
+
 Where the bindings and load attempts live is pluggable: `SamplerDirectory` / `MemoryLoadLedger` keep them
 in this process (the embedded deployment, where adapters do not outlive the process either); a cluster
 with several gateway processes plugs in shared ones (`services.control.redis_state`), so any gateway can
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +43,8 @@ from services.runtime.commands import Load
 from services.scheduler.requests import RequestKind
 
 SAMPLER_PREFIX = "sampler:"
+RECHECK_S = 5.0
+"""How long a sampling session's checkpoint binding counts as re-checked (bounds revocation delay)."""
 
 
 def ephemeral_adapter_id(sampling_id: SamplingSessionId) -> AdapterId:
@@ -45,6 +53,36 @@ def ephemeral_adapter_id(sampling_id: SamplingSessionId) -> AdapterId:
 
 def checkpoint_adapter_id(tinker_path: str, checkpoint_row_id: int) -> AdapterId:
     return AdapterId(f"{SAMPLER_PREFIX}{tinker_path}@{checkpoint_row_id}")
+
+
+def bound_checkpoint_row(adapter_id: AdapterId | None) -> int | None:
+    """The checkpoint row id a sampler adapter was loaded from (None: ephemeral or base model)."""
+    if adapter_id is None or not adapter_id.startswith(SAMPLER_PREFIX + "tinker://"):
+        return None
+    _, sep, row_id = adapter_id.rpartition("@")
+    return int(row_id) if sep and row_id.isdigit() else None
+
+
+class BindingCheck:
+    """Per-process memory of when each sampling session's checkpoint was last found still readable."""
+
+    def __init__(self, recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._checked: dict[SamplingSessionId, float] = {}
+
+    def due(self, sampling_id: SamplingSessionId) -> bool:
+        checked = self._checked.get(sampling_id)
+        return checked is None or self._clock() - checked >= self._recheck_s
+
+    def passed(self, sampling_id: SamplingSessionId) -> None:
+        now = self._clock()
+        if len(self._checked) > 100_000:  # bounded: drop entries that are due anyway
+            self._checked = {k: t for k, t in self._checked.items() if now - t < self._recheck_s}
+        self._checked[sampling_id] = now
+
+    def forget(self, sampling_id: SamplingSessionId) -> None:
+        self._checked.pop(sampling_id, None)
 
 
 @dataclass(frozen=True)

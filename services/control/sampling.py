@@ -20,7 +20,15 @@ from services.control.api import Invalid, NotFound, SampleSubmitted
 from services.control.context import ControlContext, ephemeral_save_for, not_found, sample_request_for_seq
 from services.control.models import parse_path, readable_checkpoint
 from services.control.registry import ServedModel
-from services.control.samplers import CheckpointLoader, CheckpointToLoad, LoadLedger, SamplerBinding, SamplerBindings
+from services.control.samplers import (
+    BindingCheck,
+    CheckpointLoader,
+    CheckpointToLoad,
+    LoadLedger,
+    SamplerBinding,
+    SamplerBindings,
+    bound_checkpoint_row,
+)
 from services.db.errors import NotFoundError
 from services.db.ids import RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import SamplingSessionRow
@@ -44,6 +52,7 @@ class SamplingOps:
         self._samplers = samplers
         self._loader = CheckpointLoader(ctx, loads)
         self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
+        self._binding_check = BindingCheck()
 
     async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
                                       model_path: str | None, base_model: str | None) -> SamplingSessionId:
@@ -58,6 +67,7 @@ class SamplingOps:
 
         def tx(db: Session) -> SamplingSessionRow:
             try:
+            self._ctx.quotas.check_sampling_sessions(db, tenant)
                 return create_sampling_session(db, TenantId(tenant.id), session_id, seq,
                                                base_model=binding.base_model, model_path=model_path,
                                                now=self._ctx.clock())
@@ -81,6 +91,7 @@ class SamplingOps:
         _validate(work, served)
         binding = self._samplers.get(sampler_id) or await self._recover_binding(tenant, row)
         work = replace(work, adapter_id=binding.adapter_id)
+        await self._check_still_readable(tenant, row, binding)
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
             tokens = sample_tokens(work)
@@ -93,6 +104,26 @@ class SamplingOps:
 
     async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplingSessionRow:
         row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
+    async def _check_still_readable(self, tenant: Tenant, row: SamplingSessionRow, binding: SamplerBinding) -> None:
+        """A session bound to a checkpoint samples only while that very checkpoint row is readable by the
+        session's tenant (deleted, unpublished or re-saved since: 404, like any checkpoint it cannot read)."""
+        sampler_id, bound_row = SamplingSessionId(row.id), bound_checkpoint_row(binding.adapter_id)
+        if row.model_path is None or bound_row is None or not self._binding_check.due(sampler_id):
+            return
+        parsed = parse_path(row.model_path, "model_path")
+
+        def tx(db: Session) -> int | None:
+            try:
+                return readable_checkpoint(db, tenant, parsed)[0].id
+            except NotFound:
+                return None
+
+        if await self._ctx.tx(tx) != bound_row:
+            self._binding_check.forget(sampler_id)
+            raise NotFound(f"checkpoint {parsed.uri} of sampling session {sampler_id} was deleted, unpublished or "
+                           "replaced; create a new sampling client", field="sampling_session_id")
+        self._binding_check.passed(sampler_id)
+
         if row is None:
             raise NotFound(not_found("sampling session", sampler_id), field="sampling_session_id")
         return row

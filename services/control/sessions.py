@@ -23,6 +23,7 @@ class SessionOps:
     async def create_session(self, tenant: Tenant, *, tags: list[str], user_metadata: dict[str, object],
                              sdk_version: str | None, project_id: str | None) -> SessionId:
         def tx(db: Session) -> SessionId:
+            self._ctx.quotas.check_sessions(db, tenant)
             row = create_session(db, TenantId(tenant.id), tags=tags, user_metadata=dict(user_metadata or {}),
                                  sdk_version=sdk_version, project_id=project_id, now=self._ctx.clock())
             return SessionId(row.id)

@@ -138,9 +138,11 @@ class TrainingOps:
             _validate_name(name)
             assert name is not None
             tinker_path = checkpoint_path(model_id, kind, name)
-            if not options.overwrite and get_checkpoint(db, TenantId(tenant.id), tinker_path) is not None:
+            existing = get_checkpoint(db, TenantId(tenant.id), tinker_path)
+            if not options.overwrite and existing is not None:
                 raise FailedSubmission(f"checkpoint {tinker_path} already exists; save under another name or "
                                        "pass overwrite=True", "user")
+            self._ctx.quotas.check_storage(db, tenant, replacing=existing is not None)
             record = self._record(tenant, model_id, kind, name, options)
             local = self._ctx.store.local_path(record.storage_uri)
             recipients = _age_recipients(kind, options)

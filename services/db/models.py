@@ -85,6 +85,10 @@ class TenantRow(Base):
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
 
 
+    max_checkpoints: Mapped[int | None] = mapped_column(Integer)
+    max_checkpoint_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_sessions: Mapped[int | None] = mapped_column(Integer)
+    max_sampling_sessions: Mapped[int | None] = mapped_column(Integer)
 class ApiKeyRow(Base):
     """An API key, stored only as a hash; `prefix` is the non-secret head shown in listings."""
 
@@ -131,7 +135,7 @@ class TrainingRunRow(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON_DOCUMENT, default=dict)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     last_request_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
-    next_seq_id: Mapped[int] = mapped_column(Integer, default=0)
+    next_seq_id: Mapped[int] = mapped_column(BigInteger, default=0)
     status: Mapped[TrainingRunStatus] = mapped_column(String(16), default="active")
 
 

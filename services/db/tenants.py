@@ -6,6 +6,7 @@ deliberately unscoped read: they are how a request's tenant is determined in the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -26,6 +27,14 @@ class TenantQuotas:
     max_models: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
+    max_checkpoints: int | None = None
+    """Stored checkpoints (every kind)."""
+    max_checkpoint_bytes: int | None = None
+    """Recorded size of all stored checkpoints."""
+    max_sessions: int | None = None
+    """Unfinished sessions."""
+    max_sampling_sessions: int | None = None
+    """Sampling sessions of unfinished sessions."""
 
 
 def create_tenant(
@@ -49,6 +58,10 @@ def create_tenant(
         max_models=quotas.max_models,
         tokens_per_minute=quotas.tokens_per_minute,
         max_concurrent_requests=quotas.max_concurrent_requests,
+        max_checkpoints=quotas.max_checkpoints,
+        max_checkpoint_bytes=quotas.max_checkpoint_bytes,
+        max_sessions=quotas.max_sessions,
+        max_sampling_sessions=quotas.max_sampling_sessions,
     )
     db.add(row)
     db.flush()
@@ -76,17 +89,13 @@ def set_tenant_disabled(db: Session, tenant_id: TenantId, disabled: bool) -> boo
 
 
 def set_tenant_quotas(db: Session, tenant_id: TenantId, quotas: TenantQuotas) -> bool:
-    """Replace all three quotas at once. False if the tenant does not exist."""
-    values = {
-        "max_models": quotas.max_models,
-        "tokens_per_minute": quotas.tokens_per_minute,
-        "max_concurrent_requests": quotas.max_concurrent_requests,
-    }
+    """Replace all quotas at once. False if the tenant does not exist."""
+    values = {field.name: getattr(quotas, field.name) for field in dataclasses.fields(TenantQuotas)}
     return execute_count(db, update(TenantRow).where(TenantRow.id == tenant_id).values(**values)) == 1
 
 
 def tenant_quotas(row: TenantRow) -> TenantQuotas:
-    return TenantQuotas(row.max_models, row.tokens_per_minute, row.max_concurrent_requests)
+    return TenantQuotas(**{field.name: getattr(row, field.name) for field in dataclasses.fields(TenantQuotas)})
 
 
 def add_api_key(

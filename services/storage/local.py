@@ -81,11 +81,13 @@ class LocalCheckpointStore:
         return sorted(f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file())
 
     # -- downloads --------------------------------------------------------------------------------
-    def download_urls(self, uri: str, base_url: str, expires_at: datetime) -> dict[str, str]:
+    def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
+                      version: str | None = None) -> dict[str, str]:
         signer = self._require_signer()
         key = self._key(uri)
         prefix = base_url.rstrip("/") + DOWNLOAD_ROUTE
-        return {rel: prefix + signer.sign(f"{key}/{rel}", expires_at) for rel in self.list_files(uri)}
+        return {rel: prefix + signer.sign(f"{key}/{rel}", expires_at, version=version)
+                for rel in self.list_files(uri)}
 
     def open_signed(self, token: str) -> Path:
         """The file a download token names; raises `InvalidToken` if the token or the file is not good."""

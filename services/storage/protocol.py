@@ -53,6 +53,7 @@ class CheckpointStore(Protocol):
         """The checkpoint's files as `/`-separated paths relative to its directory, sorted."""
         ...
 
-    def download_urls(self, uri: str, base_url: str, expires_at: datetime) -> dict[str, str]:
+    def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
+                      version: str | None = None) -> dict[str, str]:
         """Relative file path → absolute URL that downloads it until `expires_at`."""
         ...

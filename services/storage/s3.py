@@ -154,8 +154,10 @@ class S3CheckpointStore:
         return sorted(manifest["files"]) if manifest else []
 
     # -- downloads --------------------------------------------------------------------------------
-    def download_urls(self, uri: str, base_url: str, expires_at: datetime) -> dict[str, str]:
-        """Presigned GET URLs (`base_url` is unused: clients fetch straight from the bucket)."""
+    def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
+                      version: str | None = None) -> dict[str, str]:
+        """Presigned GET URLs (`base_url` is unused: clients fetch straight from the bucket; `version` too:
+        a presigned URL names the object key, see docs/security.md)."""
         bucket, key = self._split(uri)
         seconds = int(expires_at.timestamp() - time.time())
         expires_in = max(1, min(seconds, MAX_PRESIGN_S))

@@ -1,8 +1,11 @@
 """Signed, expiring tokens for download URLs: HMAC-SHA256 over a path and an expiry, with a server secret.
 
 A token is `<payload>.<mac>`, both base64url without padding; the payload is compact JSON
-`{"p": path, "e": expiry_unix_seconds}`. Anyone holding a token can download the one file it names until
-it expires, and nobody without the secret can mint or alter one. The secret is generated on first start
+`{"p": path, "e": expiry_unix_seconds, "v": version}`. Anyone holding a token can download the one file it
+names until it expires, and nobody without the secret can mint or alter one. `v` (optional) names the
+version of what was signed — the checkpoint row — so that the reader can refuse a token once the path
+holds something else (deleted and saved again under the same name). Lifetimes are capped at
+`MAX_TOKEN_TTL_S`. The secret is generated on first start
 and persisted under the data dir (mode 0600), so URLs stay valid across restarts.
 """
 
@@ -24,6 +27,8 @@ from services.storage.protocol import InvalidToken
 
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
+MAX_TOKEN_TTL_S = 7 * 24 * 3600
+"""Longest lifetime of a download token (a leaked link stops working within a week at most)."""
 
 
 def _b64encode(data: bytes) -> str:
@@ -44,11 +49,17 @@ class UrlSigner:
         self._secret = secret
         self._clock = clock
 
-    def sign(self, path: str, expires_at: datetime) -> str:
-        """A token for `path`, valid until `expires_at` (an aware datetime)."""
+    def sign(self, path: str, expires_at: datetime, *, version: str | None = None) -> str:
+        """A token for `path` (optionally bound to `version`), valid until `expires_at` (an aware datetime,
+        at most `MAX_TOKEN_TTL_S` away)."""
         if expires_at.tzinfo is None:
             raise ValueError("expires_at must be timezone-aware")
-        payload = json.dumps({"p": path, "e": int(expires_at.timestamp())}, separators=(",", ":"))
+        if expires_at.timestamp() - self._clock() > MAX_TOKEN_TTL_S:
+            raise ValueError(f"download tokens live at most {MAX_TOKEN_TTL_S} s")
+        claims: dict[str, object] = {"p": path, "e": int(expires_at.timestamp())}
+        if version is not None:
+            claims["v"] = version
+        payload = json.dumps(claims, separators=(",", ":"))
         encoded = _b64encode(payload.encode("utf-8"))
         return f"{encoded}.{self._mac(encoded)}"
 
@@ -79,6 +90,17 @@ class UrlSigner:
         if not isinstance(path, str) or not isinstance(expires, int | float):
             raise InvalidToken("malformed download token payload")
         return path, float(expires)
+
+
+def token_version(token: str) -> str | None:
+    """The `version` a token was signed for (None: unbound). Reads the payload only: call it on a token
+    that `UrlSigner.verify` (or the store's `open_signed`) has accepted."""
+    encoded = token.partition(".")[0]
+    try:
+        version = json.loads(_b64decode(encoded)).get("v")
+    except (binascii.Error, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise InvalidToken("malformed download token payload") from exc
+    return version if isinstance(version, str) else None
 
 
 def load_or_create_secret(path: Path) -> bytes:

@@ -40,6 +40,8 @@ def cluster_launch(port: int, base_model_spec: str) -> tuple[list[str], dict[str
     env = {
         "CARPOOL_DATABASE_URL": database_url, "CARPOOL_REDIS_URL": REDIS_URL, "CARPOOL_REDIS_PREFIX": prefix,
         "CARPOOL_REPLICAS": "1", "CARPOOL_RAY_NUM_CPUS": "2", "RAY_AUTH_MODE": "disabled",
+        "CARPOOL_ALLOW_INSECURE_REDIS": "1",  # the test Redis has no password
+        "CARPOOL_SECRET_KEY": "e2e-cluster-server-secret-key-0123456789",  # required in cluster mode
     }
     args = ["cluster", "up", "--port", str(port), "--base-model", base_model_spec]
     return args, env, [lambda: wipe_prefix(REDIS_URL, prefix), stack.close]

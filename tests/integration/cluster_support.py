@@ -385,7 +385,7 @@ def settings_env(settings: ClusterSettings) -> dict[str, str]:
     env = {
         "CARPOOL_DATA_DIR": str(settings.data_dir), "CARPOOL_BASE_MODELS": ",".join(settings.base_models),
         "CARPOOL_DATABASE_URL": settings.resolved_database_url(), "CARPOOL_REDIS_URL": settings.redis_url,
-        "CARPOOL_REDIS_PREFIX": settings.redis_prefix,
+        "CARPOOL_REDIS_PREFIX": settings.redis_prefix, "CARPOOL_ALLOW_INSECURE_REDIS": "1",
         "CARPOOL_HEARTBEAT_TTL_SECONDS": str(settings.heartbeat_ttl_seconds),
         "CARPOOL_SNAPSHOT_EVERY_STEPS": str(settings.snapshot_every_steps),
         "CARPOOL_BATCH_WINDOW_MS": str(settings.batch_window_ms),

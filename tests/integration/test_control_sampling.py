@@ -111,10 +111,10 @@ def test_external_weights_download_through_signed_urls(harness: Harness) -> None
     local = h.store.local_path(h.store.uri_for(t.id, model, "external", "export"))
     for name, url in signed.urls.items():
         assert url.startswith("http://carpool.test/api/v1/download/")
-        path = h.control.open_signed_file(url.rsplit("/", 1)[1])
+        path = h.run(h.control.open_signed_file(url.rsplit("/", 1)[1]))
         assert path.read_bytes() == (local / name).read_bytes()
     with pytest.raises(NotFound):
-        h.control.open_signed_file("forged.token")
+        h.run(h.control.open_signed_file("forged.token"))
     with pytest.raises(Invalid):
         h.run(h.control.external_weights_urls(t, f"tinker://{model}/weights/export", "http://carpool.test"))
 

@@ -18,9 +18,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.domain.training import AdapterId
-from worker.engine.adapters import AdapterState
+from services.domain.training import AdapterId, LoraSpec
+from worker.engine.adapters import AdapterState, OptimizerState
 from worker.engine.banks import AdapterBanks
+from worker.engine.passes import GradRows
+
+SPILL_GLOBALS = (AdapterState, LoraSpec, OptimizerState, GradRows)
+"""The only classes a spill file may contain: it is read with `weights_only=True`, so a file planted in the
+spill directory cannot run code; a new class in `AdapterState` must be added here (the residency tests
+fail until it is)."""
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +130,8 @@ class AdapterSlots:
             return state
         if adapter_id in self._on_disk:
             path = self._on_disk.pop(adapter_id)
-            state = _from_blob(torch.load(path, weights_only=False), self.device)
+            with torch.serialization.safe_globals(list(SPILL_GLOBALS)):
+                state = _from_blob(torch.load(path, weights_only=True), self.device)
             path.unlink(missing_ok=True)
             return state
         raise UnknownAdapter(adapter_id)
