@@ -3,7 +3,8 @@
 - `audit_log`: append-only record of operator actions (CLI and dashboard); no foreign keys, so a record
   outlives the tenant or key it names.
 - `admin_sessions`: server-side dashboard logins, bound to the API key that created them.
-- Indexes on `requests.created_at`, `training_runs.last_request_at`, `checkpoints.created_at` and
+- `requests.loss`: a forward(/backward)'s `loss:sum`, for the dashboard's loss curves.
+- Indexes on `requests.created_at`, `training_runs.created_at`, `checkpoints.created_at` and
   `usage.bucket_start`: the dashboard lists these across tenants, newest first.
 
 Revision ID: 0005
@@ -28,7 +29,7 @@ ID = 128
 
 _INDEXES = (
     ("requests", "created_at"),
-    ("training_runs", "last_request_at"),
+    ("training_runs", "created_at"),
     ("checkpoints", "created_at"),
     ("usage", "bucket_start"),
 )
@@ -75,9 +76,13 @@ def upgrade() -> None:
 
     for table, column in _INDEXES:
         op.create_index(op.f(f"ix_{table}_{column}"), table, [column])
+    with op.batch_alter_table("requests") as batch:
+        batch.add_column(sa.Column("loss", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("requests") as batch:
+        batch.drop_column("loss")
     for table, column in _INDEXES:
         op.drop_index(op.f(f"ix_{table}_{column}"), table_name=table)
     op.drop_index(op.f("ix_admin_sessions_expires_at"), table_name="admin_sessions")
