@@ -14,6 +14,7 @@ import typer
 
 from deploy.cluster_commands import register as register_cluster_commands
 from deploy.commands import register as register_service_commands
+from deploy.hub_commands import register as register_hub_commands
 from deploy.options import fail
 
 app = typer.Typer(no_args_is_help=True, help="Carpool: multi-tenant LoRA training on a shared base model.")
@@ -71,6 +72,7 @@ app.command("dev-model")(dev_model)
 app.command("fetch-model")(fetch_model)
 register_service_commands(app)
 register_cluster_commands(app)
+register_hub_commands(app)
 
 
 def main() -> None:

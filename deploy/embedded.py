@@ -196,7 +196,9 @@ def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> An
     gateway_settings = GatewaySettings(long_poll_seconds=settings.long_poll_seconds)
     auth = DatabaseAuthenticator(service.db, cache_seconds=gateway_settings.auth_cache_seconds,
                                  cache_size=gateway_settings.auth_cache_size)
-    return create_app(gateway_settings, service.control, auth)
+    from deploy.hub_wiring import hub_service
+
+    return create_app(gateway_settings, service.control, auth, hub_pushes=hub_service(settings, service.db))
 
 
 def serve(settings: ServiceSettings) -> None:

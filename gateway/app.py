@@ -24,10 +24,11 @@ from gateway.edge_limits import DecodePool, EdgeLimiter, EdgeLimitOptions
 from gateway.errors import install_error_handlers
 from gateway.middleware import EdgeMiddleware, RouteMetrics, render_runtime
 from gateway.rendering import SampleRenderCache
-from gateway.routes import futures, rest, sampling, service, training, weights
+from gateway.routes import futures, hub, rest, sampling, service, training, weights
 from gateway.settings import GatewaySettings
 from services.auth.log_redaction import RedactApiKeysFilter
 from services.control.api import ControlPlane
+from services.hub.service import HubPushService
 
 API_VERSION = "0.1.0"
 REDACTED_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "gateway", "fastapi")
@@ -43,7 +44,8 @@ Errors are JSON: `{"detail": ..., "field": ...}`.
 """
 
 
-def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authenticator) -> FastAPI:
+def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authenticator, *,
+               hub_pushes: HubPushService | None = None) -> FastAPI:
     """A ready gateway application over `control`, authenticating callers with `auth`."""
     app = FastAPI(
         title="Carpool",
@@ -57,6 +59,7 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     app.state.settings = settings
     app.state.control = control
     app.state.auth = auth
+    app.state.hub = hub_pushes  # `/v1/hub_pushes` answers 503 without it
     app.state.metrics = RouteMetrics()
     app.state.sample_render = SampleRenderCache(settings.sample_render_cache_size)
     install_error_handlers(app)
@@ -65,6 +68,7 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     for module in (futures, training, service, weights, sampling):
         app.include_router(module.router)
     app.include_router(rest.router)
+    app.include_router(hub.router)
     if settings.metrics_enabled:
         _add_metrics_route(app, app.state.metrics, control)
     app.state.decode_pool = DecodePool(settings.decode_threads)

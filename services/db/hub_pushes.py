@@ -1,28 +1,30 @@
-"""Repository for hub pushes: exports of a tenant's checkpoint to Hugging Face or ModelScope.
+"""Repository for hub pushes (exports of a tenant's checkpoint to Hugging Face or ModelScope) and hub tokens.
 
 A push row is created when the tenant asks for the export and moves queued → running → done|failed as
-the exporter works on it. Only the owner of a checkpoint can push it.
+the push task works on it (running → running again when a retry claims it). Only the owner of a checkpoint
+can push it. `claim_hub_push`/`finish_hub_push` are the task's view, by push id across tenants (the task
+was handed the id by the tenant's own request). Hub credentials are stored as ciphertext only.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from services.db.checkpoints import get_checkpoint
 from services.db.columns import utcnow
 from services.db.errors import NotFoundError
 from services.db.ids import CheckpointRowId, HubPushId, TenantId
-from services.db.models import HubPushRow, HubPushStatus, HubTarget
+from services.db.models import HubCredentialRow, HubPushRow, HubPushStatus, HubTarget
 from services.db.statements import DEFAULT_PAGE_SIZE, execute_count, paginate
 
 _FINISHED: tuple[HubPushStatus, ...] = ("done", "failed")
 # Which states each state may be entered from; anything else is a stale or duplicate update.
 _ALLOWED_FROM: dict[HubPushStatus, tuple[HubPushStatus, ...]] = {
     "queued": (),
-    "running": ("queued",),
+    "running": ("queued", "running"),  # running again: a retry (or a redelivery after a crash)
     "done": ("queued", "running"),
     "failed": ("queued", "running"),
 }
@@ -36,6 +38,8 @@ def create_hub_push(
     target: HubTarget,
     repo: str,
     private: bool = True,
+    revision: str | None = None,
+    commit_message: str | None = None,
     now: datetime | None = None,
 ) -> HubPushRow:
     """Queue an export of the tenant's checkpoint at `tinker_path`; `NotFoundError` if it is not theirs."""
@@ -49,6 +53,9 @@ def create_hub_push(
         target=target,
         repo=repo,
         private=private,
+        revision=revision,
+        commit_message=commit_message,
+        attempts=0,
         status="queued",
         created_at=now or utcnow(),
     )
@@ -60,6 +67,11 @@ def create_hub_push(
 def get_hub_push(db: Session, tenant_id: TenantId, push_id: HubPushId) -> HubPushRow | None:
     stmt = select(HubPushRow).where(HubPushRow.id == push_id, HubPushRow.tenant_id == tenant_id)
     return db.scalars(stmt).one_or_none()
+
+
+def count_hub_pushes(db: Session, tenant_id: TenantId) -> int:
+    stmt = select(func.count()).select_from(HubPushRow).where(HubPushRow.tenant_id == tenant_id)
+    return int(db.scalar(stmt) or 0)
 
 
 def list_hub_pushes(
@@ -90,3 +102,61 @@ def set_hub_push_status(
         HubPushRow.status.in_(_ALLOWED_FROM[status]),
     )
     return execute_count(db, stmt.values(**values)) == 1
+
+
+# -- the push task's view (by id) ------------------------------------------------------------------
+def claim_hub_push(db: Session, push_id: HubPushId, *, now: datetime | None = None) -> HubPushRow | None:
+    """Mark an unfinished push running and count the attempt; None if it is finished (or unknown)."""
+    row = db.get(HubPushRow, push_id, with_for_update=True)
+    if row is None or row.status in _FINISHED:
+        return None
+    row.status, row.attempts, row.error = "running", row.attempts + 1, None
+    row.started_at = row.started_at or now or utcnow()
+    db.flush()
+    return row
+
+
+def finish_hub_push(db: Session, push_id: HubPushId, status: HubPushStatus, *, error: str | None = None,
+                    hub_revision: str | None = None, url: str | None = None,
+                    now: datetime | None = None) -> bool:
+    """done or failed, with the hub's answer or the error; False if the push had already finished."""
+    assert status in _FINISHED
+    stmt = update(HubPushRow).where(HubPushRow.id == push_id, HubPushRow.status.in_(_ALLOWED_FROM[status]))
+    values = {"status": status, "error": error, "hub_revision": hub_revision, "url": url,
+              "finished_at": now or utcnow()}
+    return execute_count(db, stmt.values(**values)) == 1
+
+
+def unfinished_hub_push_ids(db: Session) -> list[HubPushId]:
+    """Pushes queued or running (a restarted in-process executor picks them up again), oldest first."""
+    stmt = select(HubPushRow.id).where(HubPushRow.status.in_(("queued", "running"))).order_by(HubPushRow.id)
+    return [HubPushId(i) for i in db.scalars(stmt)]
+
+
+# -- credentials -------------------------------------------------------------------------------------
+def put_hub_credential(db: Session, tenant_id: TenantId, target: HubTarget, ciphertext: str, *,
+                       now: datetime | None = None) -> None:
+    """Store (or replace) the tenant's encrypted token for `target`."""
+    now = now or utcnow()
+    stmt = select(HubCredentialRow).where(HubCredentialRow.tenant_id == tenant_id,
+                                          HubCredentialRow.target == target).with_for_update()
+    row = db.scalars(stmt).one_or_none()
+    if row is None:
+        db.add(HubCredentialRow(tenant_id=tenant_id, target=target, token_ciphertext=ciphertext,
+                                created_at=now, updated_at=now))
+    else:
+        row.token_ciphertext, row.updated_at = ciphertext, now
+    db.flush()
+
+
+def get_hub_credential(db: Session, tenant_id: TenantId, target: HubTarget) -> str | None:
+    """The tenant's encrypted token for `target`, if it stored one."""
+    stmt = select(HubCredentialRow.token_ciphertext).where(HubCredentialRow.tenant_id == tenant_id,
+                                                           HubCredentialRow.target == target)
+    return db.scalars(stmt).one_or_none()
+
+
+def delete_hub_credential(db: Session, tenant_id: TenantId, target: HubTarget) -> bool:
+    stmt = delete(HubCredentialRow).where(HubCredentialRow.tenant_id == tenant_id,
+                                          HubCredentialRow.target == target)
+    return execute_count(db, stmt) == 1

@@ -41,6 +41,7 @@ from tests.e2e.server import free_port
 from worker.engine.engine import Engine, EngineConfig
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+TEST_SECRET_KEY = "cluster-tests-server-secret-key-0123456789"
 
 
 def postgres_bin_dir() -> Path | None:
@@ -72,6 +73,7 @@ def cluster_settings(data_dir: Path, model_dir: Path, database_url: str, redis_u
         data_dir=data_dir, base_models=[f"{BASE}={model_dir}"], database_url=database_url, redis_url=redis_url,
         redis_prefix=prefix, device="cpu", dtype="float32", heartbeat_ttl_seconds=1.5, snapshot_every_steps=2,
         scheduler_lease_seconds=3.0, batch_window_ms=20.0, replica_wait_seconds=60.0, model_info_wait_seconds=120.0,
+        secret_key=TEST_SECRET_KEY,  # cluster mode refuses to start without one (hub tokens at rest)
     )
     values.update(overrides)
     return ClusterSettings(**values)
@@ -390,6 +392,6 @@ def settings_env(settings: ClusterSettings) -> dict[str, str]:
         "CARPOOL_SNAPSHOT_EVERY_STEPS": str(settings.snapshot_every_steps),
         "CARPOOL_BATCH_WINDOW_MS": str(settings.batch_window_ms),
         "CARPOOL_SCHEDULER_LEASE_SECONDS": str(settings.scheduler_lease_seconds),
-        "CARPOOL_DEVICE": "cpu", "CARPOOL_DTYPE": "float32",
+        "CARPOOL_DEVICE": "cpu", "CARPOOL_DTYPE": "float32", "CARPOOL_SECRET_KEY": TEST_SECRET_KEY,
     }
     return env

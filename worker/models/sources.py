@@ -4,7 +4,7 @@ A source is one of:
 
 * a local directory (absolute, relative, or `file://...`) holding `config.json`, safetensors and a tokenizer;
 * `hf://org/name[@revision]`, fetched with `huggingface_hub.snapshot_download`;
-* `ms://org/name[@revision]`, fetched with ModelScope (optional dependency);
+* `ms://org/name[@revision]`, fetched with ModelScope's `snapshot_download` (given up after 30 s);
 * `gguf://<file.gguf>` or a local `.gguf` file, dequantized once into the cache;
 * a built-in alias (`smollm2-135m`) or public name from `BUILTIN_MODELS`.
 
@@ -26,7 +26,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ BUILTIN_MODELS: dict[str, str] = {
 CACHE_MARKER = "carpool_source.json"
 
 _TRUE_VALUES = {"1", "true", "yes", "on"}
+# How long an ms:// download may take before it is reported as unreachable (the issue's 30 s bound).
+MODELSCOPE_TIMEOUT_S = 30.0
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
@@ -166,16 +170,42 @@ def _from_modelscope(spec: str) -> Path:
             "contacted. Pass a local model directory instead."
         )
     try:
-        from modelscope import snapshot_download  # type: ignore[import-not-found]
+        from modelscope import snapshot_download
     except ImportError as exc:
         raise ModelSourceError(f"ms://{spec} needs the modelscope package: pip install modelscope") from exc
-    try:
-        local = snapshot_download(repo_id, revision=revision) if revision else snapshot_download(repo_id)
-    except Exception as exc:  # ModelScope raises a variety of network/HTTP errors
-        raise ModelSourceError(
-            f"ms://{spec}: download from ModelScope failed; pass a local model directory instead. ({exc})"
-        ) from exc
+    local = _within_deadline(f"ms://{spec}", lambda: snapshot_download(repo_id, revision=revision))
     return _from_local(Path(local))
+
+
+def _within_deadline(what: str, download: Callable[[], str]) -> str:
+    """Run `download` but give up after `MODELSCOPE_TIMEOUT_S`: ModelScope's own retries can take minutes.
+
+    The download keeps running on its daemon thread after a timeout (Python cannot stop it); the caller
+    gets a clear error at once instead of a hang.
+    """
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["path"] = download()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="modelscope-download", daemon=True)
+    thread.start()
+    thread.join(MODELSCOPE_TIMEOUT_S)
+    if thread.is_alive():
+        raise ModelSourceError(
+            f"{what}: ModelScope did not answer within {MODELSCOPE_TIMEOUT_S:.0f} s (unreachable from this "
+            "machine?); pass a local model directory instead, or pre-download it with `carpool fetch-model`."
+        )
+    if "error" in result:
+        exc = result["error"]
+        raise ModelSourceError(
+            f"{what}: download from ModelScope failed ({type(exc).__name__}: {exc}); pass a local model "
+            "directory instead."
+        ) from exc
+    return str(result["path"])
 
 
 def _existing_gguf(path: Path) -> Path:
