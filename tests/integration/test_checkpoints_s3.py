@@ -132,7 +132,8 @@ def test_encrypted_exports_are_refused_clearly_with_s3(nodes: tuple[Harness, Har
     a, _ = nodes
     t = a.tenant("acme")
     model = a.run(a.control.create_model(t, a.session(t), 0, BASE, SPEC, None)).model_id
-    options = ExternalSaveOptions(name="x", age_recipients=("age1qyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqs3290gq",))
+    recipient = "age1qyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqs3290gq"
+    options = ExternalSaveOptions(name="x", age_recipients=(recipient,))
     with pytest.raises(Invalid) as info:
         a.run(a.control.save(t, model, 1, "external", options))
     assert info.value.field == "age_encryption_recipients"
