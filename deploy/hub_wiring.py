@@ -18,7 +18,7 @@ from deploy.storage_wiring import checkpoint_store
 from services.db import Database
 from services.db.hub_pushes import unfinished_hub_push_ids
 from services.db.models import HubTarget
-from services.hub.clients import HubClient, HuggingFaceClient, ModelScopeClient
+from services.hub.clients import HubClient, HuggingFaceClient, ModelScopeClient, UnavailableClient
 from services.hub.credentials import CredentialError, TokenCipher
 from services.hub.dispatch import CeleryDispatcher, InProcessDispatcher, celery_app, register_push_task
 from services.hub.runner import PushRunner
@@ -55,7 +55,6 @@ def hub_clients(settings: ServiceSettings) -> dict[HubTarget, HubClient]:
     import huggingface_hub
     from huggingface_hub import HfApi
     from huggingface_hub.utils import _http
-    from modelscope.hub.api import HubApi
 
     timeout = settings.hub_timeout_seconds
 
@@ -66,9 +65,18 @@ def hub_clients(settings: ServiceSettings) -> dict[HubTarget, HubClient]:
 
     # Process-wide by huggingface_hub's design; this process uses the hub only for pushes.
     huggingface_hub.set_client_factory(bounded_client)
+    return {"hf": HuggingFaceClient(HfApi()), "ms": modelscope_client(timeout)}
+
+
+def modelscope_client(timeout: float) -> HubClient:
+    """ModelScope's client; the package comes with the `worker` extra, so a slim hub worker may lack it."""
+    try:
+        from modelscope.hub.api import HubApi
+    except ImportError:
+        return UnavailableClient("pushes to ModelScope need the modelscope package in the hub worker's image "
+                                 "(pip install modelscope, or the carpool[worker] extra)")
     # Our own retries (with backoff, and none on 401/403/404) replace ModelScope's built-in ones.
-    ms_api = HubApi(timeout=int(max(1, timeout)), max_retries=0)
-    return {"hf": HuggingFaceClient(HfApi()), "ms": ModelScopeClient(ms_api)}
+    return ModelScopeClient(HubApi(timeout=int(max(1, timeout)), max_retries=0))
 
 
 def push_runner(settings: ServiceSettings, db: Database, *,

@@ -145,6 +145,16 @@ class ModelScopeClient:
         return all(remote.get(rel) == sha for rel, sha in request.files.items())
 
 
+class UnavailableClient:
+    """A hub this process cannot reach by design (its library is not installed): every push fails clearly."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def push(self, request: PushRequest) -> PushResult:
+        raise HubError(self._reason, transient=False)
+
+
 def _call(what: str, fn: Any) -> Any:
     try:
         return fn()
