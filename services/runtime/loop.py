@@ -83,6 +83,7 @@ class SchedulerLoop:
         # Pass ids join the request log with pass logs; the prefix tells loops (and restarts) apart.
         self._pass_prefix = f"pass-{secrets.token_hex(4)}"
         self._iterations = itertools.count()
+        self._hold_until: float | None = None
         lookback = self._config.batch_window_lookback_s
         self._activity = TenantActivity(lookback) if lookback is not None else None
 
@@ -122,7 +123,7 @@ class SchedulerLoop:
         while not self._stop.is_set():
             try:
                 busy = self._scheduler.has_queued()
-                self.run_once(0.0 if busy else self._config.poll_s)
+                self.run_once(self._held_wait() if busy else self._config.poll_s)
             except Exception:  # noqa: BLE001 - the loop must outlive any single failure
                 log.exception("%s: scheduler loop iteration failed; carrying on", self.base_model)
                 self._stop.wait(self._config.poll_s)  # no hot spin if the failure repeats
@@ -135,11 +136,16 @@ class SchedulerLoop:
         for delivery in self._claim(wait_s):
             self._admit(delivery)
         plan = self._scheduler.step()
+        self._hold_until = None if plan.hold_s is None else time.monotonic() + plan.hold_s
         self._deliver(list(plan.rejected), None)
         for item in plan.items:
             self._execute(item)
         self._counters.record_scheduler(self._scheduler.stats(), self._queue.depth(self.base_model))
         return len(plan.items) + len(plan.rejected)
+
+    def _held_wait(self) -> float:
+        """While the scheduler holds an item for tenants expected soon: wait for new work until then."""
+        return 0.0 if self._hold_until is None else max(0.0, self._hold_until - time.monotonic())
 
     def _claim(self, wait_s: float) -> list[Delivery]:
         claimed = self._queue.claim(self.base_model, self._config.max_claim, wait_s)

@@ -55,12 +55,21 @@ class SchedulerLimits:
     tenant's queued pass work takes alone (by the fitted pass cost), so a light tenant's wait stays within a
     small multiple of its own latency. Above 1, the fixed part of a pass's cost lets others ride along: where
     it dominates (a GPU) passes stay large. 0: off (passes fill `max_tokens_per_pass`, most packing)."""
+    hold_factor: float = 1.0
+    """Hold a pass (or sample batch) for active tenants predicted to arrive (`services/scheduler/arrivals.py`)
+    at most this many times the lane's usual item duration: a tenant arriving within that would otherwise
+    wait out the pass and run in another one. Never for a lone tenant. 0: off (dispatch what is queued)."""
+    max_hold_seconds: float = 0.25
+    """The longest a pass or sample batch is held for expected tenants, whatever its usual duration."""
 
     def __post_init__(self) -> None:
         if self.max_pass_seconds is not None and not self.max_pass_seconds > 0:
             raise ValueError(f"max_pass_seconds must be > 0, got {self.max_pass_seconds}")
         if not self.pass_latency_factor >= 0:
             raise ValueError(f"pass_latency_factor must be >= 0, got {self.pass_latency_factor}")
+        if not self.hold_factor >= 0 or not self.max_hold_seconds >= 0:
+            raise ValueError(f"hold_factor and max_hold_seconds must be >= 0, got {self.hold_factor}, "
+                             f"{self.max_hold_seconds}")
         for name in (
             "max_tokens_per_pass",
             "max_adapters_per_pass",

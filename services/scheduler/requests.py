@@ -197,6 +197,9 @@ class StepPlan:
     sample_batches: tuple[SampleBatchPlan, ...] = ()
     rejected: tuple[Completion, ...] = ()
     """Requests that can never run (oversized, stale seq_id, malformed): write their error results now."""
+    hold_s: float | None = None
+    """A pass or sample batch is held for tenants expected soon: step again after new submissions, or
+    after at most this many seconds. None: nothing held (step again when there is news)."""
 
     @property
     def items(self) -> tuple[PlanItem, ...]:
@@ -233,6 +236,8 @@ class SchedulerStats:
     tenants_in_last_pass: int = 0
     tenants_per_pass_total: int = 0
     """Sum over passes of their tenant count; divide by `passes_planned` for the mean."""
+    holds: int = 0
+    """Steps that held a pass or sample batch for tenants expected soon."""
 
     @property
     def mean_tenants_per_pass(self) -> float:

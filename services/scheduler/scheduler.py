@@ -16,7 +16,14 @@ Passes are timed from dispatch (or the previous item's completion, as the loop r
 (pass work of two or more tenants within `CONTENTION_WINDOW_S`): a tenant training alone keeps full passes.
 The pace is set by the smallest contending tenant: its queued pass work (remembered while it waits for its
 next request) is what it would run alone, and `SchedulerLimits.pass_latency_factor` times that pass's
-estimated duration is the target (or `max_pass_seconds`, when set).
+estimated duration is the target (or `max_pass_seconds`, when set); the budget never falls below one
+round of every queued tenant sending up to the smallest one's work, because equal tenants split over several
+passes each wait longer, not less.
+
+Independent closed-loop clients would never arrive together, so a pass (and a sample batch) may be held
+for active tenants predicted to arrive soon (`services/scheduler/arrivals.py`): never for a lone tenant,
+at most `hold_factor` times the item's usual duration (`max_hold_seconds` at most). A held step returns
+`StepPlan.hold_s`, how long the loop may wait for new submissions before stepping again.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from services.domain.training import WorkError
+from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, decide_hold
 from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
 from services.scheduler.pacing import PassPacer
 from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
@@ -49,6 +57,8 @@ from services.scheduler.requests import (
     error_completion,
 )
 
+USUAL_WEIGHT = 0.2
+"""Weight of the newest item in a lane's moving-average duration (the hold budget's scale)."""
 CONTENTION_WINDOW_S = 5.0
 """How recently another tenant must have had pass work for passes to be paced (a training loop's requests
 come back within a few passes; an idle tenant should not cost the busy one its packing)."""
@@ -78,6 +88,11 @@ class Scheduler:
         self._pass_work: dict[TenantId, tuple[int, float]] = {}
         """Per tenant with pass work lately: (its queued pass tokens when last seen with some, when)."""
         self._last_completed_at = float("-inf")
+        self._forecast = ArrivalForecast(CONTENTION_WINDOW_S)
+        self._held_since: dict[str, float] = {}
+        """Per lane (PASS, SAMPLE): when the item now being held was first held."""
+        self._usual_s: dict[str, float] = {}
+        """Per lane: a moving average of how long its items take (the hold budget's scale)."""
         self._ready: dict[ModelId, deque[QueuedRequest]] = {}
         self._samples: dict[TenantId, deque[QueuedRequest]] = {}
         self._rejected: list[Completion] = []
@@ -86,7 +101,7 @@ class Scheduler:
         self._barrier_busy: set[ModelId] = set()
         self._item_ids = itertools.count(1)
         self._totals: dict[str, int] = dict.fromkeys(
-            ("passes", "barriers", "sample_batches", "rejected", "tokens", "tenants", "last_tenants"), 0
+            ("passes", "barriers", "sample_batches", "rejected", "tokens", "tenants", "last_tenants", "holds"), 0
         )
 
     # ---- intake -------------------------------------------------------------------------------------
@@ -100,11 +115,16 @@ class Scheduler:
         problem = request.problem()
         if problem is not None:
             return self._reject(request, problem)
-        if request.kind is RequestKind.SAMPLE:
-            return self._admit_sample(request)
         if request.kind is RequestKind.CONSUMED:
             return self._admit_consumed(request)
-        return self._admit_ordered(request)
+        admission = self._admit_sample(request) if request.kind is RequestKind.SAMPLE else self._admit_ordered(request)
+        if admission.is_new:
+            now = self._clock()
+            # When it reached the gateway, if that is on this clock: the loop claims it only after the item
+            # running then, and the client's turnaround must not include that.
+            arrived = request.enqueued_at if 0 <= now - request.enqueued_at <= CONTENTION_WINDOW_S else now
+            self._forecast.arrived(request.tenant_id, request.kind, arrived)
+        return admission
 
     def mark_consumed(self, model_id: ModelId, seq_id: int, request_id: RequestId | None = None) -> None:
         """The gateway rejected this seq_id at the edge: skip it so later requests of the model can run."""
@@ -123,12 +143,15 @@ class Scheduler:
     def step(self) -> StepPlan:
         """Plan what to dispatch now. Every returned item must later go through `complete()`."""
         self._take_in_order()
+        self._forecast.forget_idle(self._clock())
         barriers = self._plan_barriers()
-        passes = self._plan_passes()
-        sample_batches = self._plan_sample_batches()
+        passes, pass_hold = self._plan_passes()
+        sample_batches, sample_hold = self._plan_sample_batches()
         rejected, self._rejected = tuple(self._rejected), []
         self._drop_empty_queues()
-        return StepPlan(barriers=barriers, passes=passes, sample_batches=sample_batches, rejected=rejected)
+        holds = [h for h in (pass_hold, sample_hold) if h is not None]
+        return StepPlan(barriers=barriers, passes=passes, sample_batches=sample_batches, rejected=rejected,
+                        hold_s=min(holds) if holds else None)
 
     def complete(self, item: PlanItem, results: Sequence[object] | WorkError) -> list[Completion]:
         """Record that `item` ran; pair its requests with `results`.
@@ -147,6 +170,7 @@ class Scheduler:
                 del self._busy[model_id]
         if isinstance(item, BarrierPlan):
             self._barrier_busy.discard(item.request.model_id)
+        self._note_completed(item)
         return _pair(item.requests, results)
 
     def has_queued(self) -> bool:
@@ -177,6 +201,7 @@ class Scheduler:
             tokens_planned=totals["tokens"],
             tenants_in_last_pass=totals["last_tenants"],
             tenants_per_pass_total=totals["tenants"],
+            holds=totals["holds"],
         )
 
     # ---- admission ----------------------------------------------------------------------------------
@@ -240,19 +265,26 @@ class Scheduler:
                 barriers.append(barrier)
         return tuple(barriers)
 
-    def _plan_passes(self) -> tuple[PassPlan, ...]:
+    def _plan_passes(self) -> tuple[tuple[PassPlan, ...], float | None]:
         passes: list[PassPlan] = []
         for i in range(self.limits.max_passes_per_step):
             runs = [run for run in self._pass_runs() if run]
             if i == 0:
                 self._note_pass_work(runs)  # what each tenant has queued, before this step takes any
-            chosen = self._packer.pack(runs, self.limits, self._pass_budget()) if runs else []
+            budget = self._pass_budget(runs)
+            if i == 0:
+                # Room is judged against the hard limit: the paced budget grows by one share per arrival.
+                hold = self._hold(PASS, {run[0].tenant_id for run in runs},
+                                  sum(r.num_tokens for run in runs for r in run) < self.limits.max_tokens_per_pass)
+                if hold is not None:
+                    return (), hold
+            chosen = self._packer.pack(runs, self.limits, budget) if runs else []
             if not chosen:
                 break
             plan = PassPlan(self._new_item_id(), self._take_segments(chosen))
             self._track(plan)
             passes.append(plan)
-        return tuple(passes)
+        return tuple(passes), None
 
     def _note_pass_work(self, runs: list[list[QueuedRequest]]) -> None:
         """Remember each tenant's queued pass tokens; forget tenants without pass work for a while."""
@@ -266,12 +298,39 @@ class Scheduler:
             self._pass_work[tenant] = (tokens, now)
         self._pass_work = {t: seen for t, seen in self._pass_work.items() if now - seen[1] <= CONTENTION_WINDOW_S}
 
-    def _pass_budget(self) -> int:
-        """While tenants contend: the paced budget, set by the smallest one's work. Else the hard limit."""
+    def _pass_budget(self, runs: list[list[QueuedRequest]]) -> int:
+        """While tenants contend: the paced budget, set by the smallest one's work, but at least one pass for
+        every queued tenant of about that size (within the latency factor). Pacing bounds a light tenant's
+        wait beside a heavy backlog; equal tenants split over several passes would each wait longer, not
+        less, and pay a pass's fixed cost each. Else the hard limit."""
         hard = self.limits.max_tokens_per_pass
         if len(self._pass_work) < 2:
             return hard
-        return self._pacer.budget(hard, min(tokens for tokens, _ in self._pass_work.values()))
+        smallest = min(tokens for tokens, _ in self._pass_work.values())
+        queued: Counter[TenantId] = Counter()
+        for run in runs:
+            queued[run[0].tenant_id] += sum(r.num_tokens for r in run)
+        alike = max(1.0, self.limits.pass_latency_factor) * smallest
+        one_round = sum(tokens for tokens in queued.values() if tokens <= alike)
+        return max(self._pacer.budget(hard, smallest), min(hard, one_round))
+
+    def _hold(self, lane: str, ready: set[TenantId], has_room: bool) -> float | None:
+        """Seconds to hold `lane`'s next item for expected tenants, or None to dispatch it now."""
+        now = self._clock()
+        usual = self._usual_s.get(lane)
+        if not ready or not has_room or usual is None or not self.limits.hold_factor > 0:
+            self._held_since.pop(lane, None)
+            return None
+        pending = {q[0].tenant_id for q in self._ready.values() if q and q[0].kind.is_barrier}
+        pending |= {i.request.tenant_id for i in self._in_flight.values() if isinstance(i, BarrierPlan)}
+        expected = self._forecast.expected(lane, now, ready=ready, barrier_pending=pending)
+        budget = min(self.limits.max_hold_seconds, self.limits.hold_factor * usual)
+        decision = decide_hold(expected, now, self._held_since.setdefault(lane, now), budget)
+        if decision.hold_s is None:
+            self._held_since.pop(lane, None)
+        else:
+            self._totals["holds"] += 1
+        return decision.hold_s
 
     def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
         """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""
@@ -293,7 +352,11 @@ class Scheduler:
             segments.append(PassSegment(model_id, requests[0].tenant_id, tuple(requests)))
         return tuple(segments)
 
-    def _plan_sample_batches(self) -> tuple[SampleBatchPlan, ...]:
+    def _plan_sample_batches(self) -> tuple[tuple[SampleBatchPlan, ...], float | None]:
+        queued = {t for t, q in self._samples.items() if q}
+        hold = self._hold(SAMPLE, queued, sum(len(q) for q in self._samples.values()) < self.limits.max_sample_batch)
+        if hold is not None:
+            return (), hold
         batches: list[SampleBatchPlan] = []
         for _ in range(self.limits.max_sample_batches_per_step):
             chosen = pick_sample_batch(self._samples, self.limits.max_sample_batch)
@@ -305,7 +368,7 @@ class Scheduler:
             batch = SampleBatchPlan(self._new_item_id(), tuple(chosen))
             self._track(batch)
             batches.append(batch)
-        return tuple(batches)
+        return tuple(batches), None
 
     def _drop_empty_queues(self) -> None:
         """Idle models and tenants should cost nothing per step."""
@@ -313,12 +376,27 @@ class Scheduler:
         self._samples = {t: q for t, q in self._samples.items() if q}
 
     def _time_item(self, item: PlanItem) -> None:
-        """Feed a finished pass's duration to the pacer (items of one step run one after another)."""
+        """Feed a finished pass's duration to the pacer (items of one step run one after another), and
+        every pass's and sample batch's to its lane's usual duration."""
         now = self._clock()
         planned_at = self._planned_at.pop(item.item_id, now)
+        seconds = now - max(planned_at, self._last_completed_at)
         if isinstance(item, PassPlan):
-            self._pacer.observe(item.num_tokens, now - max(planned_at, self._last_completed_at))
+            self._pacer.observe(item.num_tokens, seconds)
+        if not isinstance(item, BarrierPlan):
+            lane = PASS if isinstance(item, PassPlan) else SAMPLE
+            usual = self._usual_s.get(lane)
+            self._usual_s[lane] = seconds if usual is None else usual + USUAL_WEIGHT * (seconds - usual)
         self._last_completed_at = now
+
+    def _note_completed(self, item: PlanItem) -> None:
+        """Tell the forecast whose requests completed, and which of those tenants now wait on their client."""
+        now = self._clock()
+        busy = {r.tenant_id for r in itertools.chain(self._queued_ordered(), self._sequencer.waiting(),
+                                                     self._queued_samples())}
+        busy |= {r.tenant_id for i in self._in_flight.values() for r in i.requests}
+        for request in item.requests:
+            self._forecast.completed(request.tenant_id, request.kind, now, idle=request.tenant_id not in busy)
 
     def _new_item_id(self) -> PlanItemId:
         return PlanItemId(next(self._item_ids))

@@ -28,7 +28,7 @@ from services.scheduler.policy import FairPacker
 FIXED_S, PER_TOKEN_S = 0.002, 0.0003
 """The simulated engine: a pass costs a fixed part plus a part per token (compute-bound, like 2 CPU cores)."""
 
-UNPACED = SchedulerLimits(max_tokens_per_pass=32768, pass_latency_factor=0)
+UNPACED = SchedulerLimits(max_tokens_per_pass=32768, pass_latency_factor=0, hold_factor=0)
 
 
 def pass_cost(tokens: int) -> float:
@@ -245,8 +245,8 @@ def test_a_step_runs_its_passes_before_its_barriers() -> None:
 def test_a_light_request_still_waits_for_a_heavy_request_that_is_running() -> None:
     """Requests are never split across passes: beside one 640-token request at a time, pacing bounds the
     light tenant's wait by that request (about 10x its own pass), not by everything the heavy one queued."""
-    paced, _, _ = light_wait_ratio(SchedulerLimits(max_tokens_per_pass=32768, max_pass_seconds=pass_cost(64)),
-                                   heavy_models=1, heavy_tokens=640)
+    paced, _, _ = light_wait_ratio(SchedulerLimits(max_tokens_per_pass=32768, max_pass_seconds=pass_cost(64),
+                                                   hold_factor=0), heavy_models=1, heavy_tokens=640)
     unpaced, _, _ = light_wait_ratio(UNPACED, heavy_models=1, heavy_tokens=640)
     assert 5 < paced < 12 < unpaced
 

@@ -1,0 +1,304 @@
+"""Service benchmark: do independent SDK clients share passes through the real service path?
+
+Starts `carpool serve` (embedded, or `--mode cluster`) as a subprocess on a tiny random-weight Qwen3
+(hidden 256, 4 layers, vocab 4096) and drives it with the unmodified `tinker` SDK, every tenant its own API
+key (created with the real CLI), each in its own thread, closed loop:
+
+    train   each of N tenants: forward_backward(1 x T tokens) -> result -> optim_step -> result -> next;
+            against ONE tenant sending the same tokens per step (N x T) the same way
+    sample  each of N tenants: sample(num_samples=S, max_tokens=T) from its own adapter -> result -> next;
+            against ONE tenant asking N x S samples per call
+    alone   one tenant, forward_backward(1 x T) -> optim_step, nobody else: its round trips
+
+Per phase: tokens/s (trained tokens, or generated tokens), **server CPU-seconds per token** (utime+stime of
+the server's process tree from /proc, the robust measure on a shared machine: clients compete with the server
+for the cores, so wall-clock ratios understate it), tenants and tokens per pass and requests per sample batch
+(from the server's pass log lines, `services/runtime/dispatch.py`), and round-trip p50/p95 per request kind.
+The server runs torch with `--torch-threads` intra-op threads (default 1, as `bench/gateway.py`: on two shared
+cores OpenMP threads spin-waiting between passes would be billed as CPU and bury the service's share).
+
+The last line is machine-readable (ratios single / multi for CPU per token; higher is better, 1 = packing
+costs nothing):
+RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_multi=X train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
+
+    .venv/bin/python bench/service.py [--quick] [--tenants 8] [--seconds 20] [--rounds 2] [--mode embedded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # keep the client's background traffic out of the figures
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from tests.e2e.server import TINY_MODEL_NAME, Server, start_server  # noqa: E402
+
+PASS_LINE = re.compile(r" pass \S+: (\d+) requests, (\d+) tokens, (\d+) tenants,")
+SAMPLE_LINE = re.compile(r" sample batch \S+: (\d+) requests, (\d+) tokens generated")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+SETUP_TIMEOUT_S = 300.0
+HP = types.AdamParams(learning_rate=1e-4)
+
+
+# -- the server's CPU time ----------------------------------------------------------------------------
+def tree_cpu_seconds(root_pid: int) -> float:
+    """utime + stime of `root_pid` and all its descendants (alive ones), in seconds."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == pid and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
+# -- one phase ---------------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    name: str
+    tokens: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    rtt_ms: dict[str, list[float]] = field(default_factory=dict)
+    passes: list[tuple[int, int, int]] = field(default_factory=list)
+    """(requests, tokens, tenants) per pass."""
+    sample_batches: list[int] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * self.cpu_s / self.tokens if self.tokens else float("nan")
+
+    def rtt(self, kind: str, q: float) -> float:
+        values = sorted(self.rtt_ms.get(kind, []))
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    def row(self) -> str:
+        tenants = statistics.mean(p[2] for p in self.passes) if self.passes else 0.0
+        tokens = statistics.mean(p[1] for p in self.passes) if self.passes else 0.0
+        batch = statistics.mean(self.sample_batches) if self.sample_batches else 0.0
+        rtts = "  ".join(f"{k} {self.rtt(k, 0.5):.0f}/{self.rtt(k, 0.95):.0f}" for k in sorted(self.rtt_ms))
+        return (f"{self.name:<14} {self.tokens:>7} {self.tok_s:>8.0f} {self.cpu_ms_per_token:>8.3f} "
+                f"{len(self.passes):>6} {tenants:>6.2f} {tokens:>7.0f} {batch:>6.2f}  {rtts}")
+
+
+HEADER = (f"{'phase':<14} {'tokens':>7} {'tok/s':>8} {'cpu_ms/t':>8} {'passes':>6} {'ten/p':>6} {'tok/p':>7} "
+          f"{'req/sb':>6}  rtt p50/p95 ms")
+
+
+class Recorder:
+    """Thread-safe token and round-trip accumulation for one phase."""
+
+    def __init__(self, phase: Phase) -> None:
+        self.phase = phase
+        self._lock = threading.Lock()
+
+    def timed(self, kind: str, call: Callable[[], object]) -> object:
+        started = time.perf_counter()
+        out = call()
+        with self._lock:
+            self.phase.rtt_ms.setdefault(kind, []).append((time.perf_counter() - started) * 1000)
+        return out
+
+    def add_tokens(self, n: int) -> None:
+        with self._lock:
+            self.phase.tokens += n
+
+
+def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float], None]], seconds: float,
+              profile: Path | None = None) -> Phase:
+    """Run every loop on its own thread until `seconds` pass; measure the server meanwhile (and py-spy it
+    into `profile`, folded stacks, when given)."""
+    phase = Phase(name)
+    spy = None if profile is None else subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.process.pid), "--format", "raw",
+         "--output", str(profile), "--duration", str(max(1, int(seconds))), "--rate", "250", "--threads",
+         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    recorder = Recorder(phase)
+    log_offset = len(server.log())
+    cpu0, started = tree_cpu_seconds(server.process.pid), time.perf_counter()
+    deadline = time.monotonic() + seconds
+    threads = [threading.Thread(target=loop, args=(recorder, deadline), daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SETUP_TIMEOUT_S)
+    phase.wall_s = time.perf_counter() - started
+    if spy is not None:
+        spy.wait(60)
+    phase.cpu_s = tree_cpu_seconds(server.process.pid) - cpu0
+    text = server.log()[log_offset:]
+    phase.passes = [(int(a), int(b), int(c)) for a, b, c in PASS_LINE.findall(text)]
+    phase.sample_batches = [int(a) for a, _ in SAMPLE_LINE.findall(text)]
+    return phase
+
+
+# -- tenants and their loops ----------------------------------------------------------------------------
+@dataclass
+class Tenant:
+    service: tinker.ServiceClient
+    training: tinker.TrainingClient
+    sampler: tinker.SamplingClient
+
+
+def make_tenant(server: Server, name: str, rank: int) -> Tenant:
+    service = tinker.ServiceClient(base_url=server.url, api_key=server.create_tenant(name))
+    training = service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=rank).result(
+        timeout=SETUP_TIMEOUT_S)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=SETUP_TIMEOUT_S)
+    return Tenant(service, training, sampler)
+
+
+def datum(i: int, tokens: int, vocab: int) -> types.Datum:
+    seq = [(7 + 13 * (i + j)) % (vocab - 1) + 1 for j in range(tokens + 1)]
+    return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                       loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * tokens})
+
+
+def train_loop(tenant: Tenant, sequences: int, tokens: int, vocab: int) -> Callable[[Recorder, float], None]:
+    data = [datum(i, tokens, vocab) for i in range(sequences)]
+
+    def loop(recorder: Recorder, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            recorder.timed("fb", lambda: tenant.training.forward_backward(data, "cross_entropy").result())
+            recorder.timed("optim", lambda: tenant.training.optim_step(HP).result())
+            recorder.add_tokens(sequences * tokens)
+
+    return loop
+
+
+def sample_loop(tenant: Tenant, samples: int, tokens: int) -> Callable[[Recorder, float], None]:
+    prompt = types.ModelInput.from_ints([3, 17, 29, 41, 53, 65, 77, 89])
+    params = types.SamplingParams(max_tokens=tokens, temperature=1.0)
+
+    def loop(recorder: Recorder, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            out = recorder.timed("sample", lambda: tenant.sampler.sample(prompt, samples, params).result())
+            recorder.add_tokens(sum(len(s.tokens) for s in out.sequences))  # type: ignore[attr-defined]
+
+    return loop
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence (train) / per sample")
+    parser.add_argument("--samples", type=int, default=4, help="samples per request of each tenant")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
+    parser.add_argument("--rounds", type=int, default=2, help="all phases this many times, medians reported")
+    parser.add_argument("--quick", action="store_true", help="one round of 8 s phases (about 2 minutes)")
+    parser.add_argument("--skip-sampling", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--mode", choices=("embedded", "cluster"), default="embedded")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="py-spy the server during the first train_multi phase; folded stacks to this file")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.rounds = 8.0, 1
+    return args
+
+
+def run_round(server: Server, tenants: list[Tenant], args: argparse.Namespace) -> dict[str, Phase]:
+    n, t, vocab = args.tenants, args.tokens, args.vocab
+    phases = {
+        "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2),
+        "train_multi": run_phase(server, "train_multi", [train_loop(x, 1, t, vocab) for x in tenants], args.seconds,
+                                 args.profile),
+        "train_single": run_phase(server, "train_single", [train_loop(tenants[0], n, t, vocab)], args.seconds),
+    }
+    if not args.skip_sampling:
+        phases["sample_multi"] = run_phase(server, "sample_multi",
+                                           [sample_loop(x, args.samples, t) for x in tenants], args.seconds)
+        phases["sample_single"] = run_phase(server, "sample_single",
+                                            [sample_loop(tenants[0], n * args.samples, t)], args.seconds)
+    return phases
+
+
+def ratio(rounds: list[dict[str, Phase]], metric: Callable[[dict[str, Phase]], float]) -> float:
+    values = [metric(r) for r in rounds]
+    return statistics.median(values) if values else float("nan")
+
+
+def report(rounds: list[dict[str, Phase]], args: argparse.Namespace) -> None:
+    print(HEADER)
+    for i, phases in enumerate(rounds):
+        print(f"-- round {i + 1}")
+        for phase in phases.values():
+            print(phase.row())
+
+    def cpu(single: str, multi: str) -> Callable[[dict[str, Phase]], float]:
+        return lambda r: r[single].cpu_ms_per_token / r[multi].cpu_ms_per_token if multi in r else float("nan")
+
+    train_cpu = ratio(rounds, cpu("train_single", "train_multi"))
+    sample_cpu = ratio(rounds, cpu("sample_single", "sample_multi"))
+    tok_s = ratio(rounds, lambda r: r["train_multi"].tok_s / r["train_single"].tok_s)
+    alone = ratio(rounds, lambda r: r["alone"].rtt("fb", 0.5))
+    print(f"RESULT train_cpu_per_token_single_vs_multi={train_cpu:.3f} "
+          f"sample_cpu_per_token_single_vs_multi={sample_cpu:.3f} train_tok_s_multi_vs_single={tok_s:.3f} "
+          f"alone_rtt_p50_ms={alone:.1f}")
+
+
+def main() -> None:
+    args = parse_args()
+    from worker.models.devmodel import build_dev_model
+
+    env = {"OMP_NUM_THREADS": str(args.torch_threads), **dict(e.split("=", 1) for e in args.env)}
+    with tempfile.TemporaryDirectory(prefix="carpool-bench-service-") as tmp:
+        model_dir = build_dev_model(Path(tmp) / "model", layers=args.layers, hidden=args.hidden, vocab=args.vocab,
+                                    seed=0)
+        server = start_server(Path(tmp) / "data", model_dir, extra_env=env, mode=args.mode)
+        try:
+            tenants = [make_tenant(server, f"bench-tenant-{i}", args.rank) for i in range(args.tenants)]
+            for x in tenants:  # warm every path (first passes, first samples) before measuring
+                train_loop(x, 1, args.tokens, args.vocab)(Recorder(Phase("warm")), time.monotonic() + 0.1)
+            if not args.skip_sampling:
+                run_phase(server, "warm", [sample_loop(x, args.samples, args.tokens) for x in tenants], 1.0)
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append(run_round(server, tenants, args))
+                args.profile = None
+            for x in tenants:
+                x.service.holder.close()
+        finally:
+            server.stop()
+    report(rounds, args)
+
+
+if __name__ == "__main__":
+    main()

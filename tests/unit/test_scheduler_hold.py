@@ -1,0 +1,151 @@
+"""Holding a pass (or sample batch) for tenants expected soon: independent closed-loop clients come to share
+passes, a lone tenant is never held, a tenant that stops is not waited for again, and no hold outlasts its
+budget. Driven by `ClosedLoopSim` (the real `Scheduler` on a simulated clock and engine); all times are
+simulated, nothing here is timed."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from services.scheduler import RequestKind, SchedulerLimits, TenantId
+from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, Expected, decide_hold
+from services.scheduler.simulation import Client, ClosedLoopSim, EngineCost, SimReport
+
+CPU = EngineCost(fixed_s=0.025, per_token_s=0.0005)
+"""This 2-core machine's tiny model, roughly: a 32-token pass 41 ms, a 256-token pass 153 ms."""
+TURNAROUND_S = 0.015
+"""Result published -> the client's next request at the scheduler (long-poll wake-up, HTTP, SDK)."""
+NO_HOLD = SchedulerLimits(hold_factor=0)
+
+
+def eight_trainers(limits: SchedulerLimits, seconds: float = 20.0) -> tuple[SimReport, ClosedLoopSim]:
+    # Staggered starts: independent clients, not a lock-step batch.
+    clients = [Client(f"t{i}", 32, TURNAROUND_S, start_s=i * 0.013) for i in range(8)]
+    sim = ClosedLoopSim(limits, CPU, clients)
+    return sim.run(seconds), sim
+
+
+def test_independent_trainers_come_to_share_passes() -> None:
+    held, _ = eight_trainers(SchedulerLimits())
+    unheld, _ = eight_trainers(NO_HOLD)
+    assert unheld.mean_tenants_per_pass < 3  # what the service did before: whoever happened to be queued
+    assert held.mean_tenants_per_pass > 7.5
+    assert held.tokens_per_s > 1.15 * unheld.tokens_per_s
+    # Every tenant got its share.
+    assert max(held.tokens.values()) - min(held.tokens.values()) <= 32
+
+
+def test_shared_passes_come_close_to_ideal_lock_step() -> None:
+    """Ideal: all eight in every pass, the cycle being one 256-token pass, eight barriers and two turnarounds."""
+    held, _ = eight_trainers(SchedulerLimits())
+    cycle = CPU.fixed_s + CPU.per_token_s * 256 + 8 * CPU.barrier_s + 2 * TURNAROUND_S
+    assert held.tokens_per_s >= 0.9 * 256 / cycle
+
+
+def test_a_lone_tenant_is_never_held() -> None:
+    sim = ClosedLoopSim(SchedulerLimits(), CPU, [Client("solo", 32, TURNAROUND_S)])
+    report = sim.run(10.0)
+    assert report.holds == 0
+    own_pass = CPU.fixed_s + CPU.per_token_s * 32
+    assert max(report.latencies["solo"]) == pytest.approx(own_pass)
+
+
+def test_a_tenant_that_stops_is_not_waited_for_again() -> None:
+    sim = ClosedLoopSim(SchedulerLimits(), CPU, [Client("a", 32, TURNAROUND_S), Client("b", 32, TURNAROUND_S)])
+    sim.run(5.0)
+    sim.stop("b")
+    sim.run(0.5)  # b's last requests finish; a may be held once more for it
+    holds = sim.report.holds
+    before = len(sim.report.latencies["a"])
+    sim.run(3.0)
+    assert sim.report.holds == holds
+    assert statistics.median(sim.report.latencies["a"][before:]) == pytest.approx(CPU.fixed_s + 32 * CPU.per_token_s)
+
+
+def test_holds_stay_within_their_budget() -> None:
+    limits = SchedulerLimits(max_hold_seconds=0.03)
+    clients = [Client(f"t{i}", 32, 0.05, start_s=i * 0.013) for i in range(8)]
+    sim = ClosedLoopSim(limits, CPU, clients)
+    holds: list[float] = []
+    step = sim.scheduler.step
+
+    def recording_step():  # type: ignore[no-untyped-def]
+        plan = step()
+        if plan.hold_s is not None:
+            holds.append(plan.hold_s)
+        return plan
+
+    sim.scheduler.step = recording_step  # type: ignore[method-assign]
+    sim.run(10.0)
+    assert holds and max(holds) <= 0.03 + 1e-9
+
+
+def test_a_tiny_hold_budget_keeps_the_old_behaviour() -> None:
+    report, _ = eight_trainers(SchedulerLimits(max_hold_seconds=0.0005))
+    assert report.mean_tenants_per_pass < 3
+
+
+def test_sampling_clients_come_to_share_batches() -> None:
+    def run(limits: SchedulerLimits) -> SimReport:
+        clients = [Client(f"s{i}", 32, TURNAROUND_S, sampling=True, start_s=i * 0.021) for i in range(8)]
+        return ClosedLoopSim(limits, CPU, clients).run(20.0)
+
+    held, unheld = run(SchedulerLimits()), run(NO_HOLD)
+    assert statistics.mean(unheld.sample_batch_sizes) <= 4.5  # as measured through the service: 4 of 8
+    assert statistics.mean(held.sample_batch_sizes) > 7.5
+
+
+# -- the forecast on its own ------------------------------------------------------------------------------
+T = TenantId("t")
+
+
+def test_after_a_pass_the_next_pass_request_is_two_turnarounds_away() -> None:
+    forecast = ArrivalForecast()
+    now = 0.0
+    for _ in range(3):  # fb -> (10 ms) -> optim -> (20 ms) -> fb
+        forecast.arrived(T, RequestKind.FORWARD_BACKWARD, now)
+        now += 0.05
+        forecast.completed(T, RequestKind.FORWARD_BACKWARD, now, idle=True)
+        now += 0.010
+        forecast.arrived(T, RequestKind.OPTIM_STEP, now)
+        now += 0.001
+        forecast.completed(T, RequestKind.OPTIM_STEP, now, idle=True)
+        now += 0.020
+    forecast.arrived(T, RequestKind.FORWARD_BACKWARD, now)
+    forecast.completed(T, RequestKind.FORWARD_BACKWARD, now + 0.05, idle=True)
+    expected = forecast.expected(PASS, now + 0.05, ready=())
+    assert expected[T].due == pytest.approx(now + 0.05 + 0.030)
+    # Its optim_step queued or running: the next pass request follows one turnaround after it.
+    assert forecast.expected(PASS, now + 0.06, ready=(), barrier_pending=[T])[T].due == pytest.approx(now + 0.08)
+    # Queued already: not expected. A sampling lane it never used: not expected either.
+    assert forecast.expected(PASS, now + 0.05, ready=[T]) == {}
+    assert forecast.expected(SAMPLE, now + 0.05, ready=()) == {}
+
+
+def test_a_late_tenant_is_no_longer_expected_and_a_new_one_borrows_everyones_gaps() -> None:
+    forecast = ArrivalForecast(slack=0.5)
+    forecast.arrived(T, RequestKind.SAMPLE, 0.0)
+    forecast.completed(T, RequestKind.SAMPLE, 1.0, idle=True)
+    forecast.arrived(T, RequestKind.SAMPLE, 1.1)
+    forecast.completed(T, RequestKind.SAMPLE, 2.0, idle=True)
+    assert forecast.expected(SAMPLE, 2.0, ready=())[T].due == pytest.approx(2.1)
+    assert T in forecast.expected(SAMPLE, 2.14, ready=())  # within the slack (half the 0.1 s turnaround)
+    assert forecast.expected(SAMPLE, 2.16, ready=()) == {}
+    newcomer = TenantId("new")
+    forecast.arrived(newcomer, RequestKind.SAMPLE, 2.5)
+    forecast.completed(newcomer, RequestKind.SAMPLE, 3.0, idle=True)
+    assert forecast.expected(SAMPLE, 3.0, ready=())[newcomer].due == pytest.approx(3.1)
+    forecast.forget_idle(3.0 + 10)
+    assert forecast.expected(SAMPLE, 13.0, ready=()) == {}
+
+
+def test_decide_hold_waits_for_the_last_tenant_due_within_the_budget() -> None:
+    expected = {TenantId("a"): Expected(1.01, 1.015), TenantId("b"): Expected(1.02, 1.03),
+                TenantId("far"): Expected(2.0, 2.5)}
+    decision = decide_hold(expected, now=1.0, held_since=1.0, budget_s=0.05)
+    assert decision.hold_s == pytest.approx(0.03)
+    assert decision.waiting_for == {"a", "b"}
+    assert decide_hold(expected, now=1.05, held_since=1.0, budget_s=0.05).hold_s is None  # budget spent
+    assert decide_hold({}, now=1.0, held_since=1.0, budget_s=0.05).hold_s is None
