@@ -274,3 +274,137 @@ def test_every_public_sdk_method_is_served(world: World) -> None:
 
 async def _awaited(value: Any) -> Any:
     return await value
+
+
+def test_the_walk_used_the_advertised_paths(server: Server, world: World) -> None:
+    """JWT mode, the batched poller, joined clients and server-side losses carried the walk's calls."""
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for route in ("/api/v1/auth/token", "/api/v1/retrieve_futures", "/api/v1/join_sampling_session",
+                  "/api/v1/create_custom_loss", "/api/v1/copy_weights", "/api/v1/sessions/search"):
+        hits = [line for line in metrics.splitlines()
+                if line.startswith("carpool_http_requests_total") and f'route="{route}"' in line
+                and 'status="200"' in line]
+        assert hits, f"{route} never answered 200"
+
+
+# -- server-side custom loss == client-side ----------------------------------------------------------------
+def test_server_side_custom_loss_equals_client_side(world: World) -> None:
+    from tinker.lib.public_interfaces.custom_loss import trace_loss
+
+    session = world.service.holder.get_session_id()
+    client_side = trace_loss(neg_ll, {"logprobs": 1, "weights": 1}, session)
+    assert world.loss.loss_id is not None and client_side.loss_id is None
+    a = world.service.create_lora_training_client(base_model=world.base_model, rank=4, seed=99).result()
+    b = world.service.create_lora_training_client(base_model=world.base_model, rank=4, seed=99).result()
+    server_out = a.forward_backward_custom(world.data, world.loss).result()
+    client_out = b.forward_backward_custom(world.data, client_side).result()
+    for key in ("loss:sum", "custom/neg_ll:sum", "custom/tokens:mean"):
+        assert server_out.metrics[key] == pytest.approx(client_out.metrics[key], rel=1e-5, abs=1e-6), key
+    for x, y in zip(server_out.loss_fn_outputs, client_out.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(x["logprobs"].to_torch(), y["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
+    # Same gradient: one identical step leaves both models computing the same logprobs.
+    for client in (a, b):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after_a, after_b = (c.forward(world.data, "cross_entropy").result() for c in (a, b))
+    for x, y in zip(after_a.loss_fn_outputs, after_b.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(x["logprobs"].to_torch(), y["logprobs"].to_torch(), rtol=1e-4, atol=1e-5)
+
+
+# -- security ---------------------------------------------------------------------------------------------
+def _loss_body(session: str, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"session_id": session, "custom_loss_seq_id": 1000 + len(nodes), "name": "evil",
+            "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"format": 1, "nodes": nodes}}
+
+
+def _node(name: str, target: str, ref: str) -> dict[str, Any]:
+    return {"op": "call_function", "name": name, "target": target, "args": [{"ref": ref}], "kwargs": {}}
+
+
+def test_custom_loss_graphs_outside_the_allow_list_or_limits_are_refused(server: Server, world: World) -> None:
+    session = world.service.holder.get_session_id()
+    head = {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}}
+
+    def tail(ref: str) -> dict[str, Any]:
+        return {"op": "output", "name": "output", "target": "output",
+                "args": [{"tuple": [{"ref": ref}, {"dict": {}}]}], "kwargs": {}}
+
+    evil = [head, _node("x", "os.system", "logprobs"), tail("x")]
+    long = [head, *(_node(f"n{i}", "torch.exp", f"n{i - 1}" if i else "logprobs") for i in range(300)),
+            tail("n299")]
+    for nodes, reason in ((evil, "'os.system' is not allowed"), (long, "exceed the limit of 256")):
+        answer = httpx.post(f"{server.url}/api/v1/create_custom_loss", json=_loss_body(session, nodes),
+                            headers={"X-API-Key": world.key}, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert reason in answer.json()["detail"], answer.json()
+
+
+def test_cross_tenant_copy_weights_needs_the_owners_token(server: Server, world: World) -> None:
+    owner_key = server.create_tenant("owner")
+    owner = tinker.ServiceClient(base_url=server.url, api_key=owner_key)
+    try:
+        run = owner.create_lora_training_client(base_model=world.base_model, rank=2).result()
+        path = run.save_state("private").result().path
+        body = {"source_path": path, "destination_project_id": PROJECT}
+        headers = {"X-API-Key": world.key}
+        refused = httpx.post(f"{server.url}/api/v1/copy_weights", json=body, headers=headers, timeout=30)
+        assert refused.status_code == 404 and "weights_access_token" in refused.json()["detail"], refused.text
+        bogus = httpx.post(f"{server.url}/api/v1/copy_weights", json={**body, "weights_access_token": "tml-bogus"},
+                           headers=headers, timeout=30)
+        assert bogus.status_code == 403 and bogus.json()["field"] == "weights_access_token", bogus.text
+        copied = world.rest.copy_weights(path, PROJECT, weights_access_token=owner_key).result()
+        assert copied != path and copied.endswith("/weights/private")
+        restored = world.service.create_training_client_from_state(copied).result()
+        assert restored.get_info().model_data.model_name == world.base_model
+    finally:
+        owner.close("success").result()
+
+
+def test_jwts_work_like_their_key_and_die_with_it(server: Server) -> None:
+    key = server.create_tenant("jwt-user")
+    url = f"{server.url}/api/v1"
+    token = httpx.post(f"{url}/auth/token", headers={"X-API-Key": key}, timeout=10).json()["jwt"]
+    assert httpx.get(f"{url}/sessions", headers={"X-API-Key": token}, timeout=10).status_code == 200
+    again = httpx.post(f"{url}/auth/token", headers={"X-API-Key": token}, timeout=10)
+    assert again.status_code == 401  # a JWT cannot mint its own successor
+    assert httpx.delete(f"{url}/auth/apikey/me", headers={"X-API-Key": key}, timeout=10).json()["revoked"]
+    answer = _eventually_refused(f"{url}/sessions", token)
+    assert answer.status_code == 401
+    assert 'error="invalid_token"' in answer.headers["www-authenticate"]
+
+
+def _eventually_refused(url: str, token: str) -> httpx.Response:
+    """Other gateway processes may hold a validated key for the auth cache's few seconds: poll until refused."""
+    deadline = datetime.now(UTC) + timedelta(seconds=30)
+    while True:
+        answer = httpx.get(url, headers={"X-API-Key": token}, timeout=10)
+        if answer.status_code != 200 or datetime.now(UTC) > deadline:
+            return answer
+        asyncio.run(asyncio.sleep(0.25))
+
+
+def test_retrieve_futures_reports_each_completion_once_and_keeps_the_cursor(server: Server, world: World) -> None:
+    url, headers = f"{server.url}/api/v1", {"X-API-Key": world.key}
+    session = world.service.holder.get_session_id()
+    sampler = httpx.post(f"{url}/create_sampling_session", headers=headers, timeout=30, json={
+        "session_id": session, "sampling_session_seq_id": 77, "base_model": world.base_model}).json()
+    sid = sampler["sampling_session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]}
+    submitted = {httpx.post(f"{url}/asample", headers=headers, timeout=30, json={
+        "sampling_session_id": sid, "seq_id": i, "num_samples": 1, "prompt": prompt,
+        "sampling_params": {"max_tokens": 2}}).json()["request_id"] for i in range(6)}
+    seen: list[str] = []
+    cursor = 0
+    while set(seen) != submitted:
+        page = httpx.post(f"{url}/retrieve_futures", headers=headers, timeout=60, json={
+            "target": {"type": "sampling_session", "sampling_session_id": sid}, "prev_cursor": cursor}).json()
+        assert page["cursor"] >= cursor
+        cursor = page["cursor"]
+        seen += [c["request_id"] for c in page["completions"]]
+    assert sorted(seen) == sorted(submitted)  # each once
+    idle = httpx.post(f"{url}/retrieve_futures", headers=headers, timeout=30, json={
+        "target": {"type": "sampling_session", "sampling_session_id": sid}, "prev_cursor": cursor, "timeout": 0})
+    assert idle.json() == {"completions": [], "cursor": cursor}
+    other = httpx.post(f"{url}/retrieve_futures", headers={"X-API-Key": server.create_tenant("peeker")},
+                       timeout=30, json={"target": {"type": "sampling_session", "sampling_session_id": sid},
+                                         "timeout": 0})
+    assert other.status_code == 404
