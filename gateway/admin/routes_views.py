@@ -180,7 +180,10 @@ def _usage(request: Request, db: Session, listing_page: queries.Page) -> dict[st
 
 @router.get("/usage")
 async def usage(request: Request, session: Admin) -> Response:
-    context = await console_of(request).tx(lambda db: _usage(request, db, _page(request)))
+    # A page of usage is a page of tenants: each brings up to two rows (kinds) per day of the range.
+    tenants_page = queries.Page(max(1, console_of(request).page_size // 5),
+                                int_param(request, "offset", default=0, low=0, high=MAX_OFFSET))
+    context = await console_of(request).tx(lambda db: _usage(request, db, tenants_page))
     per_day: dict[str, float] = {}
     for line in context["listing"].rows:
         per_day[line.day.isoformat()] = per_day.get(line.day.isoformat(), 0) + line.tokens
@@ -196,7 +199,7 @@ async def usage_csv(request: Request, session: Admin) -> Response:
         writer = csv.writer(out)
         writer.writerow(["day", "tenant", "kind", "tokens", "requests"])
         offset = 0
-        while True:
+        while True:  # a page of 1,000 tenants at a time
             chunk = _usage(request, db, queries.Page(1000, offset))["listing"]
             writer.writerows([line.day.isoformat(), line.tenant_name, line.kind, line.tokens, line.requests]
                              for line in chunk.rows)

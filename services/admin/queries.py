@@ -277,18 +277,21 @@ class UsageLine:
 
 
 def usage_by_day(db: Session, page: Page, *, since: datetime, tenant_id: str | None = None) -> Paged[UsageLine]:
-    """Per tenant, day and kind, newest day first (hourly buckets summed in the database)."""
-    day = _day(db, UsageRow.bucket_start)
-    stmt = (select(day, UsageRow.tenant_id, TenantRow.name, UsageRow.kind, func.sum(UsageRow.tokens),
-                   func.sum(UsageRow.requests))
-            .join(TenantRow, TenantRow.id == UsageRow.tenant_id).where(UsageRow.bucket_start >= since)
-            .group_by(day, UsageRow.tenant_id, TenantRow.name, UsageRow.kind)
-            .order_by(day.desc(), TenantRow.name, UsageRow.kind))
+    """Per tenant, day and kind since `since`; the page is a page of *tenants* (by name), so each page sums
+    only its tenants' hourly buckets (through the usage primary key) instead of the whole table."""
+    tenant_stmt = select(TenantRow.id, TenantRow.name).order_by(TenantRow.name, TenantRow.id)
     if tenant_id:
-        stmt = stmt.where(UsageRow.tenant_id == tenant_id)
-    rows, more = _paged(db, stmt, page)
-    return Paged([UsageLine(_as_date(d), t, n, k, int(tok or 0), int(req or 0)) for d, t, n, k, tok, req in rows],
-                 page, more)
+        tenant_stmt = tenant_stmt.where(TenantRow.id == tenant_id)
+    tenant_rows, more = _paged(db, tenant_stmt, page)
+    names = {str(t): str(n) for t, n in tenant_rows}
+    day = _day(db, UsageRow.bucket_start)
+    stmt = (select(day, UsageRow.tenant_id, UsageRow.kind, func.sum(UsageRow.tokens), func.sum(UsageRow.requests))
+            .where(UsageRow.tenant_id.in_(list(names)), UsageRow.bucket_start >= since)
+            .group_by(day, UsageRow.tenant_id, UsageRow.kind))
+    lines = [UsageLine(_as_date(d), str(t), names[str(t)], k, int(tok or 0), int(req or 0))
+             for d, t, k, tok, req in db.execute(stmt).all()]
+    lines.sort(key=lambda u: (u.tenant_name, -u.day.toordinal(), u.kind))
+    return Paged(lines, page, more)
 
 
 def stored_bytes(db: Session, tenant_ids: Sequence[str]) -> dict[str, int]:
