@@ -152,7 +152,9 @@ def _scheduler(settings: ServiceSettings) -> Scheduler:
     return Scheduler(SchedulerLimits(max_tokens_per_pass=settings.max_tokens_per_step,
                                      max_adapters_per_pass=settings.max_adapters_per_pass,
                                      max_pass_seconds=max_pass_s,
-                                     pass_latency_factor=settings.pass_latency_factor))
+                                     pass_latency_factor=settings.pass_latency_factor,
+                                     hold_factor=settings.hold_factor,
+                                     max_hold_seconds=settings.max_hold_ms / 1000))
 
 
 def _checkpoint_store(settings: ServiceSettings) -> CheckpointStore:

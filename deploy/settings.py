@@ -114,6 +114,12 @@ class ServiceSettings(BaseSettings):
         "An explicit pass-duration target while two or more tenants train, instead of pass_latency_factor "
         "(the token budget follows the fitted pass cost; one request always fits). Unset: "
         "pass_latency_factor decides."))
+    hold_factor: float = Field(2.0, ge=0, description=(
+        "Hold a packed pass (or sample batch) for active tenants whose next request is predicted to arrive "
+        "soon (from each client's turnaround), at most this many times the item's fixed cost, so that "
+        "independent closed-loop clients come to share passes. Never for a tenant alone. 0: off."))
+    max_hold_ms: float = Field(250.0, ge=0, description=(
+        "The longest a pass or sample batch is held for tenants expected soon, whatever its fixed cost."))
     default_max_checkpoints: int | None = Field(None, ge=1, description=(
         "Checkpoints a tenant may store when it has no max_checkpoints quota of its own (a named save over it "
         "is a 400); unset: unlimited. Cluster mode: 1000."))

@@ -18,8 +18,8 @@ thinks for long is late, and nobody waits for it again until it sends something)
 
 `decide_hold` is the policy: hold only while at least one other tenant than the queued ones is expected
 (so a lone tenant is never held: work-conserving), only for tenants predicted within the hold budget (a
-fraction of the pass's own duration: waiting w for a tenant that would otherwise ride in the next pass
-pays while w is below the pass it saves), and never longer than the budget from when the hold began.
+multiple of the item's fixed cost, set by the scheduler: waiting w for a tenant pays while w is below the
+fixed cost of the item it would otherwise need), and never longer than the budget from when the hold began.
 Pure: times are handed in; no clock, no I/O.
 """
 

@@ -55,10 +55,13 @@ class SchedulerLimits:
     tenant's queued pass work takes alone (by the fitted pass cost), so a light tenant's wait stays within a
     small multiple of its own latency. Above 1, the fixed part of a pass's cost lets others ride along: where
     it dominates (a GPU) passes stay large. 0: off (passes fill `max_tokens_per_pass`, most packing)."""
-    hold_factor: float = 1.0
+    hold_factor: float = 2.0
     """Hold a pass (or sample batch) for active tenants predicted to arrive (`services/scheduler/arrivals.py`)
-    at most this many times the lane's usual item duration: a tenant arriving within that would otherwise
-    wait out the pass and run in another one. Never for a lone tenant. 0: off (dispatch what is queued)."""
+    at most this many times the item's fixed cost (a pass's fitted fixed cost; a sample batch's duration):
+    a tenant joining saves about one such cost (its own later item), and once tenants share items they come
+    back together (a few passes' fixed costs saved per round). Where the fixed cost is small against the
+    per-token cost (a big GPU pass), waiting would idle the engine for little, so holds are short. Never for
+    a lone tenant. 0: off (dispatch what is queued)."""
     max_hold_seconds: float = 0.25
     """The longest a pass or sample batch is held for expected tenants, whatever its usual duration."""
 

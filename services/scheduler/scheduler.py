@@ -22,7 +22,7 @@ passes each wait longer, not less.
 
 Independent closed-loop clients would never arrive together, so a pass (and a sample batch) may be held
 for active tenants predicted to arrive soon (`services/scheduler/arrivals.py`): never for a lone tenant,
-at most `hold_factor` times the item's usual duration (`max_hold_seconds` at most). A held step returns
+at most `hold_factor` times the item's fixed cost (`max_hold_seconds` at most). A held step returns
 `StepPlan.hold_s`, how long the loop may wait for new submissions before stepping again.
 """
 
@@ -324,13 +324,22 @@ class Scheduler:
         pending = {q[0].tenant_id for q in self._ready.values() if q and q[0].kind.is_barrier}
         pending |= {i.request.tenant_id for i in self._in_flight.values() if isinstance(i, BarrierPlan)}
         expected = self._forecast.expected(lane, now, ready=ready, barrier_pending=pending)
-        budget = min(self.limits.max_hold_seconds, self.limits.hold_factor * usual)
+        budget = min(self.limits.max_hold_seconds, self.limits.hold_factor * self._fixed_cost(lane, usual))
         decision = decide_hold(expected, now, self._held_since.setdefault(lane, now), budget)
         if decision.hold_s is None:
             self._held_since.pop(lane, None)
         else:
             self._totals["holds"] += 1
         return decision.hold_s
+
+    def _fixed_cost(self, lane: str, usual: float) -> float:
+        """What an item of `lane` costs whatever it holds: what a tenant joining it saves, and so what
+        holding for it may cost. A pass's fitted fixed cost (half its usual duration until there is a fit);
+        a sample batch's decode costs per step, nearly whatever its rows, so all of it."""
+        if lane == SAMPLE:
+            return usual
+        cost = self._pacer.model.cost()
+        return usual / 2 if cost is None else cost[0]
 
     def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
         """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""
