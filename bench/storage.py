@@ -1,0 +1,157 @@
+"""Checkpoint storage benchmark: save and load of a SmolLM2-135M rank-32 adapter with optimizer state.
+
+Three ways, in one run, through the code the service uses (`Engine.save_adapter` / `load_adapter`, behind
+`StagedBackend` for S3):
+
+    local   the adapter written to / read from a local directory (the default store)
+    s3      staged, uploaded to S3 with a manifest (sha256 of every file) and, on load, downloaded into an
+            empty cache and verified before the engine reads it (another node's first load)
+    cached  a load from S3 whose checkpoint is already in this node's cache (one manifest GET)
+
+The S3 server is `moto_server` on 127.0.0.1 by default (started here), or real S3/MinIO with
+`--endpoint-url` / `--bucket` (credentials from the standard AWS chain). Rounds are interleaved so drift on
+a shared machine hits all three alike; medians are reported. The last line is machine-readable:
+RESULT s3_save_vs_local=X s3_load_vs_local=X cached_load_vs_local=X (ratios of median times).
+Aims: <= 2.0, <= 2.0, <= 1.1.
+
+    .venv/bin/python bench/storage.py                       # moto on this box
+    .venv/bin/python bench/storage.py --endpoint-url http://minio:9000 --bucket carpool-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardWork, LoraSpec  # noqa: E402
+from services.storage.s3 import S3CheckpointStore, build_s3_store  # noqa: E402
+from services.storage.staging import StagedBackend  # noqa: E402
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+    binary = Path(sys.executable).with_name("moto_server")
+    process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def trained_engine(source: str, rank: int) -> tuple[object, AdapterId]:
+    """The base model with one rank-`rank` adapter after a step (so it has Adam moments)."""
+    import numpy as np
+
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.models.sources import default_cache_dir, resolve_model_source
+
+    engine = Engine(resolve_model_source(source, default_cache_dir()), name="bench",
+                    config=EngineConfig(device="cpu", dtype="float32"))
+    adapter = AdapterId("bench-adapter")
+    engine.create_adapter(adapter, LoraSpec(rank=rank, seed=0, train_attn=True, train_mlp=True))
+    tokens = np.random.default_rng(0).integers(1, 1000, 33)
+    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(32, np.float32)})
+    engine.forward_backward([ForwardBackwardWork(adapter, [datum])])
+    engine.optim_step(adapter, AdamParams(learning_rate=1e-3))
+    return engine, adapter
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def one_round(engine: Any, adapter: AdapterId, staged: StagedBackend, cold: StagedBackend,
+              writer: S3CheckpointStore, local: Path, i: int) -> dict[str, float]:
+    """Each operation once: local save/load, S3 save, S3 load into an empty cache, S3 load from the cache."""
+    remote = writer.local_path(writer.uri_for("bench-tenant", "bench-run", "training", f"r{i}"))
+    out = {
+        "local_save": timed(lambda: engine.save_adapter(adapter, local, with_optimizer=True)),
+        "s3_save": timed(lambda: staged.save_adapter(adapter, remote, with_optimizer=True)),
+        "local_load": timed(lambda: engine.load_adapter(AdapterId("l"), local, with_optimizer=True)),
+        "s3_load": timed(lambda: cold.load_adapter(AdapterId("s"), remote, with_optimizer=True)),
+        "cached": timed(lambda: cold.load_adapter(AdapterId("c"), remote, with_optimizer=True)),
+    }
+    for name in ("l", "s", "c"):
+        engine.drop_adapter(AdapterId(name))
+    shutil.rmtree(local)
+    return out
+
+
+def run(args: argparse.Namespace, endpoint: str | None, work: Path) -> dict[str, list[float]]:
+    import boto3
+
+    engine, adapter = trained_engine(args.source, args.rank)
+    bucket = args.bucket or f"carpool-bench-{uuid.uuid4().hex[:8]}"
+    if args.bucket is None:
+        boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+
+    def store(cache: str) -> S3CheckpointStore:
+        return build_s3_store(f"s3://{bucket}/bench", cache_dir=work / cache, cache_max_bytes=1 << 34,
+                              endpoint_url=endpoint)
+
+    writer = store("writer-cache")
+    staged = StagedBackend(engine, writer)  # type: ignore[arg-type]
+    times: dict[str, list[float]] = {k: [] for k in ("local_save", "local_load", "s3_save", "s3_load", "cached")}
+    for i in range(args.rounds):
+        cold = StagedBackend(engine, store(f"cold-{i}"))  # type: ignore[arg-type]
+        for key, seconds in one_round(engine, adapter, staged, cold, writer, work / f"local-{i}", i).items():
+            times[key].append(seconds)
+    size = writer.size(writer.uri_for("bench-tenant", "bench-run", "training", "r0"))
+    print(f"checkpoint: {size / 1e6:.1f} MB (rank {args.rank}, weights + Adam moments), {args.rounds} rounds")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="smollm2-135m", help="Base model source (default: SmolLM2-135M)")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint; default: a local moto")
+    parser.add_argument("--bucket", default=None, help="Existing bucket (with --endpoint-url); default: a new one")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="carpool-bench-storage-") as tmp:
+        if args.endpoint_url:
+            times = run(args, args.endpoint_url, Path(tmp))
+        else:
+            with moto_server() as endpoint:
+                times = run(args, endpoint, Path(tmp))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for key, value in med.items():
+        print(f"{key:>10}: median {value * 1000:8.1f} ms  (all: {', '.join(f'{t * 1000:.0f}' for t in times[key])})")
+    print(f"RESULT s3_save_vs_local={med['s3_save'] / med['local_save']:.2f} "
+          f"s3_load_vs_local={med['s3_load'] / med['local_load']:.2f} "
+          f"cached_load_vs_local={med['cached'] / med['local_load']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
