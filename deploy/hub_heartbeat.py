@@ -47,6 +47,8 @@ def heartbeat_step(path: Path, every_s: float = HEARTBEAT_EVERY_S) -> type:
                 self._timer_ref.cancel()
             path.unlink(missing_ok=True)
 
+        terminate = stop  # a cold shutdown terminates steps instead of stopping them
+
     return HeartbeatFile
 
 
