@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install test test-fast lint run bench services clean
+.PHONY: install test test-fast lint run bench services clean helm-dashboards helm-example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,7 @@ services:
 test: install services
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/hadolint deploy/docker/Dockerfile.*
 	CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: install
@@ -36,12 +37,21 @@ test-fast: install
 lint: install
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/hadolint deploy/docker/Dockerfile.*
 
 run: install
 	$(VENV)/bin/carpool serve $(ARGS)
 
 bench: install
 	$(PY) bench/packing.py
+
+# The chart ships the metrics dashboard (Helm reads files only inside the chart) and docs/deploy.md attaches
+# the production rendering; tests/packaging fails when either copy is stale.
+helm-dashboards:
+	cp deploy/grafana/carpool.json helm/carpool/dashboards/carpool.json
+
+helm-example: install
+	$(PY) -m tests.packaging.chart_support > docs/deploy.example.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
