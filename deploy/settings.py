@@ -114,7 +114,7 @@ class ServiceSettings(BaseSettings):
         "An explicit pass-duration target while two or more tenants train, instead of pass_latency_factor "
         "(the token budget follows the fitted pass cost; one request always fits). Unset: "
         "pass_latency_factor decides."))
-    hold_factor: float = Field(2.0, ge=0, description=(
+    hold_factor: float = Field(4.0, ge=0, description=(
         "Hold a packed pass (or sample batch) for active tenants whose next request is predicted to arrive "
         "soon (from each client's turnaround), at most this many times the item's fixed cost, so that "
         "independent closed-loop clients come to share passes. Never for a tenant alone. 0: off."))

@@ -55,7 +55,7 @@ class SchedulerLimits:
     tenant's queued pass work takes alone (by the fitted pass cost), so a light tenant's wait stays within a
     small multiple of its own latency. Above 1, the fixed part of a pass's cost lets others ride along: where
     it dominates (a GPU) passes stay large. 0: off (passes fill `max_tokens_per_pass`, most packing)."""
-    hold_factor: float = 2.0
+    hold_factor: float = 4.0
     """Hold a pass (or sample batch) for active tenants predicted to arrive (`services/scheduler/arrivals.py`)
     at most this many times the item's fixed cost (a pass's fitted fixed cost; a sample batch's duration):
     a tenant joining saves about one such cost (its own later item), and once tenants share items they come

@@ -76,8 +76,17 @@ class SimReport:
     """Trained (or, for sampling clients, requested) tokens per tenant."""
     latencies: dict[str, list[float]] = field(default_factory=dict)
     """Per tenant: forward_backward (or sample) submit-to-completion times."""
+    pass_active: list[int] = field(default_factory=list)
+    """Per pass: tenants active when it was dispatched (not thinking: waiting on the service, or on their
+    way to it); the ideal pass holds all of them."""
     holds: int = 0
     engine_busy_s: float = 0.0
+
+    @property
+    def packing_vs_active(self) -> float:
+        """Mean over passes of its tenants over the tenants active then (1: every active tenant in every pass)."""
+        pairs = [(n, a) for n, a in zip(self.pass_tenants, self.pass_active, strict=True) if a]
+        return statistics.mean(n / a for n, a in pairs) if pairs else 0.0
 
     @property
     def mean_tenants_per_pass(self) -> float:
@@ -105,6 +114,7 @@ class ClosedLoopSim:
         self._seq: dict[str, int] = {}
         self._submitted: dict[RequestId, float] = {}
         self._stopped: set[str] = set()
+        self._thinking: dict[str, tuple[float, float]] = {}
         self.report = SimReport()
         for client in clients:
             if not client.sampling:
@@ -160,6 +170,9 @@ class ClosedLoopSim:
 
     def _execute(self, item: PlanItem) -> None:
         seconds = self.cost.of(item)
+        if isinstance(item, PassPlan):
+            self.report.pass_active.append(sum(1 for t in self.clients if t not in self._stopped
+                                               and not self._is_thinking(t)))
         self.now += seconds
         self.report.engine_busy_s += seconds
         if isinstance(item, PassPlan):
@@ -182,7 +195,12 @@ class ClosedLoopSim:
         if request.kind is RequestKind.FORWARD_BACKWARD:
             self._at(self.now + turnaround, client.tenant, RequestKind.OPTIM_STEP)
         else:
-            self._at(self.now + turnaround + client.think_s, client.tenant, _first_kind(client))
+            self._thinking[client.tenant] = (self.now, self.now + client.think_s)
+            self._at(self.now + client.think_s + turnaround, client.tenant, _first_kind(client))
+
+    def _is_thinking(self, tenant: str) -> bool:
+        start, end = self._thinking.get(tenant, (0.0, 0.0))
+        return start <= self.now < end
 
 
 def _first_kind(client: Client) -> RequestKind:
