@@ -8,16 +8,24 @@ gradients, written by the replica that holds it) and a log of every adapter-chan
 since, in dispatch order (`PassEntry` / `OptimEntry`, codec bytes in a stream). A call is logged before
 it is dispatched, so a replica that dies mid-call leaves it in the log and the restore replays it.
 Committing a snapshot swaps the pointer and deletes the log in one MULTI: both describe the same state.
+
+The pointer also names the requests the snapshot *covers but whose results may not have reached a client*
+(`applied`: request id → result of the call that carried the snapshot order). Without them a scheduler and
+a replica dying within one snapshot interval could apply a step twice: the successor re-dispatches the
+in-flight request, the adapter is restored from a snapshot that already contains it, and the replica that
+remembered the request id died with its memory. A restore seeds the new replica's memory with `applied`,
+so the re-dispatched request is answered, not applied again.
 The superseded snapshot is deleted only by a *later* snapshot order (`previous`), never before the new
 pointer is committed, so the pointer always names a snapshot that exists.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import redis
@@ -37,6 +45,8 @@ class SnapshotPointer:
     path: str
     previous: str | None = None
     """The snapshot this one superseded: safe to delete once a newer one is committed."""
+    applied: dict[str, object] = field(default_factory=dict)
+    """Results of the requests this snapshot already contains that a successor may send again."""
 
 
 class PlacementStore(Protocol):
@@ -58,8 +68,9 @@ class DurabilityJournal(Protocol):
         """Log (adapter, entry) pairs, in order, before their call is dispatched."""
         ...
 
-    def commit_snapshot(self, adapter_id: str, path: str) -> None:
-        """`path` now holds the adapter's state including every logged call: point at it, clear the log."""
+    def commit_snapshot(self, adapter_id: str, path: str, applied: Mapping[str, object] | None = None) -> None:
+        """`path` now holds the adapter's state including every logged call and the `applied` requests (by
+        id, with their results): point at it, clear the log."""
         ...
 
     def forget(self, adapter_id: str) -> None: ...
@@ -101,7 +112,12 @@ class RedisJournal(_RedisStore):
 
     def snapshot(self, adapter_id: str) -> SnapshotPointer | None:
         raw = self._call(lambda: self._client.hget(self.keys.snapshots, adapter_id))
-        return None if raw is None else SnapshotPointer(**json.loads(raw))
+        if raw is None:
+            return None
+        fields = json.loads(raw)
+        blob = fields.pop("applied", None)
+        applied = decode(base64.b64decode(blob), dict) if blob else {}
+        return SnapshotPointer(**fields, applied=applied)
 
     def entries(self, adapter_id: str) -> list[LogEntry]:
         rows = self._call(lambda: self._client.xrange(self.keys.log(adapter_id)))
@@ -120,10 +136,13 @@ class RedisJournal(_RedisStore):
 
         self._call(write)
 
-    def commit_snapshot(self, adapter_id: str, path: str) -> None:
+    def commit_snapshot(self, adapter_id: str, path: str, applied: Mapping[str, object] | None = None) -> None:
         current = self.snapshot(adapter_id)
         previous = current.path if current is not None and current.path != path else None
-        pointer = json.dumps({"path": path, "previous": previous})
+        fields: dict[str, object] = {"path": path, "previous": previous}
+        if applied:  # codec bytes inside the JSON pointer: results are domain objects (numpy arrays)
+            fields["applied"] = base64.b64encode(encode(dict(applied))).decode("ascii")
+        pointer = json.dumps(fields)
 
         def write() -> None:
             pipe = self._client.pipeline(transaction=True)

@@ -121,6 +121,8 @@ class ReplicaExecutor:
 
     def _restore(self, call: RestoreCall) -> int:
         self._backend.load_adapter(call.adapter_id, Path(call.snapshot_path), with_optimizer=True)
+        for request_id, result in call.applied:  # contained in the snapshot: never apply them again
+            self._remember(request_id, result)
         for entry in call.log:
             if isinstance(entry, OptimEntry):
                 self._optim(OptimCall(entry.request_id, call.adapter_id, entry.params))

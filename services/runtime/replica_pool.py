@@ -130,23 +130,23 @@ class ReplicaPool:
             return adapter_id in self._where
 
     def create_adapter(self, adapter_id: AdapterId, spec: LoraSpec) -> None:
-        order = self._new_order(adapter_id)
-        self._call_on(adapter_id, CreateCall(self.context.barrier(), adapter_id, spec, order), place=True)
-        self._committed(adapter_id, order)
+        order, request_id = self._new_order(adapter_id), self.context.barrier()
+        self._call_on(adapter_id, CreateCall(request_id, adapter_id, spec, order), place=True)
+        self._committed(adapter_id, order, request_id, None)
 
     def load_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> LoraSpec:
-        order = self._new_order(adapter_id)
-        call = LoadCall(self.context.barrier(), adapter_id, str(path), with_optimizer, order)
+        order, request_id = self._new_order(adapter_id), self.context.barrier()
+        call = LoadCall(request_id, adapter_id, str(path), with_optimizer, order)
         spec = self._call_on(adapter_id, call, place=True)
-        self._committed(adapter_id, order)
+        self._committed(adapter_id, order, request_id, spec)
         assert isinstance(spec, LoraSpec)
         return spec
 
     def copy_adapter(self, source: AdapterId, target: AdapterId) -> None:
         """`target` becomes a weights-only copy of `source`, resident on the same replica."""
-        order = self._new_order(target)
-        self._call_on(target, CopyCall(self.context.barrier(), source, target, order), place=True, near=source)
-        self._committed(target, order)
+        order, request_id = self._new_order(target), self.context.barrier()
+        self._call_on(target, CopyCall(request_id, source, target, order), place=True, near=source)
+        self._committed(target, order, request_id, None)
 
     def drop_adapter(self, adapter_id: AdapterId) -> None:
         if self.has_adapter(adapter_id):
@@ -170,7 +170,7 @@ class ReplicaPool:
         self._journal.append([(adapter_id, OptimEntry(request_id, params))])
         result = self._call_on(adapter_id, OptimCall(request_id, adapter_id, params, order))
         if order is not None:
-            self._committed(adapter_id, order)
+            self._committed(adapter_id, order, request_id, result)
         else:
             self._optims[adapter_id] = steps
         assert isinstance(result, OptimStepResult)
@@ -289,8 +289,11 @@ class ReplicaPool:
         current = self._journal.snapshot(adapter_id)
         return SnapshotOrder(str(folder / uuid.uuid4().hex[:12]), current.previous if current else None)
 
-    def _committed(self, adapter_id: str, order: SnapshotOrder) -> None:
-        self._journal.commit_snapshot(adapter_id, order.path)
+    def _committed(self, adapter_id: str, order: SnapshotOrder, request_id: RequestTag, result: object) -> None:
+        """Point at the snapshot `order` wrote; it contains `request_id`'s call, whose result the pointer keeps
+        (journal docstring: the scheduler-and-replica double-apply window)."""
+        applied = {request_id: result} if request_id is not None else None
+        self._journal.commit_snapshot(adapter_id, order.path, applied)
         self._optims[adapter_id] = 0
 
     def _optims_since_snapshot(self, adapter_id: str) -> int:
@@ -335,7 +338,8 @@ class ReplicaPool:
         target = self._least_loaded()
         self._place(adapter_id, target)
         try:
-            self._link.call(target, RestoreCall(AdapterId(adapter_id), pointer.path, entries), self._fence())
+            restore = RestoreCall(AdapterId(adapter_id), pointer.path, entries, tuple(pointer.applied.items()))
+            self._link.call(target, restore, self._fence())
         except ReplicaGone as gone:
             self._fail_over(gone.replica_id)  # moves this adapter on again, with the target's others
             return

@@ -126,11 +126,14 @@ class DropCall:
 
 @dataclass(frozen=True)
 class RestoreCall:
-    """Rebuild an adapter from its snapshot and replay the logged calls since, in order."""
+    """Rebuild an adapter from its snapshot and replay the logged calls since, in order. `applied` (request
+    id, result) pairs are requests the snapshot already contains: the replica remembers them as applied, so
+    a successor scheduler re-sending one gets its result instead of a second step."""
 
     adapter_id: AdapterId
     snapshot_path: str
     log: tuple[LogEntry, ...]
+    applied: tuple[tuple[str, object], ...] = ()
 
 
 ReplicaCall = (PassCall | OptimCall | CreateCall | LoadCall | CopyCall | SaveCall | SampleCall | DropCall
