@@ -85,7 +85,7 @@ def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = Non
                                   quota_store=RedisQuotaStore(client, prefix=prefix))
     # The embedded service type bundles exactly what the app factory needs (database + control plane);
     # here it runs no scheduler loops and holds no engines.
-    service = EmbeddedService(settings, db, control)
+    service = EmbeddedService(settings, db, control, sweeper=sweeper_thread(settings, db, store))
     app = build_gateway_app(settings, service)
     return ClusterGateway(service, app, [notifier.close, results.close, client.close])
 
@@ -142,9 +142,9 @@ def serve_cluster_gateway(settings: ClusterSettings) -> None:
     install_key_redaction()
     logging.getLogger().setLevel(settings.log_level.upper())
     gateway = build_cluster_gateway(settings)
+    gateway.service.start()  # no scheduler loops here: the sweeper
     try:
         log.info("cluster gateway serving on http://%s:%d", settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
     finally:
-    gateway.service.start()  # no scheduler loops here: the sweeper
         gateway.close()

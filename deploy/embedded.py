@@ -53,22 +53,24 @@ class EmbeddedService:
     control: ServiceControlPlane
     loops: list[SchedulerLoop] = field(default_factory=list)
     engines: dict[str, Any] = field(default_factory=dict)
+    sweeper: SweeperThread | None = None
+    """Deletes expired checkpoints and finishes stale sessions while the service runs."""
 
     def start(self) -> None:
         for loop in self.loops:
             loop.start()
+        if self.sweeper is not None:
+            self.sweeper.start()
 
     def stop(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
         for loop in self.loops:
             loop.stop()
         self.db.dispose()
 
-        if self.sweeper is not None:
-            self.sweeper.start()
 
 def install_key_redaction() -> None:
-        if self.sweeper is not None:
-            self.sweeper.stop()
     """Redact API keys from every log record. Handler filters see records of all loggers (a filter on a
     logger only sees that logger's own records), so the filter goes on the root logger and its handlers."""
     root = logging.getLogger()
@@ -126,7 +128,7 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
                                   max_lora_rank=settings.max_lora_rank, stats=loop.stats))
     control = ServiceControlPlane(db, queue, results, notifier, store, served,
                                   _control_options(settings))
-    return EmbeddedService(settings, db, control, loops, engines)
+    return EmbeddedService(settings, db, control, loops, engines, sweeper_thread(settings, db, store))
 
 
 def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:

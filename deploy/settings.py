@@ -259,12 +259,28 @@ class ClusterSettings(ServiceSettings):
         "How long a cluster gateway waits at start-up for the workers to publish their base models."))
     replica_wait_seconds: float = Field(300.0, gt=0, description=(
         "How long a scheduler waits for a live replica before failing a request."))
-
-    @property
-    def resolved_snapshot_dir(self) -> Path:
+    allow_insecure_redis: bool = Field(False, description=(
+        "Start cluster processes against a Redis URL with neither a password nor TLS (rediss://). Only for "
+        "development: whoever reaches such a Redis controls the queue, results and workers."))
+    # Finite per-tenant defaults in cluster mode (a shared service): a tenant's own quota still wins.
+    default_max_models_per_tenant: int | None = Field(64, ge=1, description=(
+        "Models per tenant when the tenant has no max_models quota of its own (cluster mode default: 64)."))
+    default_max_concurrent_requests: int | None = Field(1024, ge=1, description=(
+        "Unfinished requests per tenant without a max_concurrent_requests quota (cluster mode default: 1024)."))
+    default_max_checkpoints: int | None = Field(1000, ge=1, description=(
+        "Checkpoints per tenant without a max_checkpoints quota (cluster mode default: 1000)."))
+    default_max_checkpoint_bytes: int | None = Field(100 * 1024**3, ge=1, description=(
+        "Checkpoint bytes per tenant without a max_checkpoint_bytes quota (cluster mode default: 100 GiB)."))
+    default_max_sessions: int | None = Field(200, ge=1, description=(
+        "Unfinished sessions per tenant without a max_sessions quota (cluster mode default: 200)."))
+    default_max_sampling_sessions: int | None = Field(2000, ge=1, description=(
+        "Sampling sessions per tenant without a max_sampling_sessions quota (cluster mode default: 2000)."))
     hub_broker_url: str | None = Field(None, description=(
         "Celery broker of hub pushes (`carpool hub-worker` consumes it); default: redis_url."))
     metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "Port of the Prometheus /metrics endpoint of a scheduler (`carpool scheduler`) or hub worker, which "
         "serve no other HTTP; unset: none. Gateways serve /metrics on their own port."))
+
+    @property
+    def resolved_snapshot_dir(self) -> Path:
         return self.snapshot_dir or self.data_dir / "snapshots"

@@ -91,15 +91,6 @@ def _add_metrics_route(app: FastAPI, metrics: RouteMetrics, control: ControlPlan
     app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"], include_in_schema=False)
 
 
-@asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    # uvicorn (re)configures its handlers after the app is built: redact again once the server runs.
-    install_key_redaction()
-    yield
-
-
-def install_key_redaction() -> None:
-    """Put `RedactApiKeysFilter` on the gateway's and uvicorn's loggers and their handlers (idempotent).
 def edge_limit_options(settings: GatewaySettings) -> EdgeLimitOptions:
     """The per-caller edge limits of `settings` (see `gateway.edge_limits`)."""
     return EdgeLimitOptions(
@@ -109,12 +100,21 @@ def edge_limit_options(settings: GatewaySettings) -> EdgeLimitOptions:
     )
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # uvicorn (re)configures its handlers after the app is built: redact again once the server runs.
+    install_key_redaction()
+    yield
+    app.state.decode_pool.shutdown()
+
+
+def install_key_redaction() -> None:
+    """Put `RedactApiKeysFilter` on the gateway's and uvicorn's loggers and their handlers (idempotent).
 
     Logger filters only see records logged on that very logger, handler filters see propagated ones
     too; both are set so keys are redacted whichever way a record travels.
     """
     for name in REDACTED_LOGGERS:
-    app.state.decode_pool.shutdown()
         logger = logging.getLogger(name)
         for target in (logger, *logger.handlers):
             if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):

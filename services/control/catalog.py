@@ -18,6 +18,7 @@ from services.auth.tenants import Tenant
 from services.control.api import CheckpointView, Invalid, NotFound, Page, SignedUrls, TrainingRunView
 from services.control.context import ControlContext, count_checkpoints, count_training_runs, not_found
 from services.control.models import lora_spec_of, parse_path, readable_checkpoint
+from services.control.samplers import checkpoint_version
 from services.db.checkpoints import (
     checkpoint_storage_bytes,
     delete_checkpoint,
@@ -122,7 +123,7 @@ class CatalogOps:
         try:
             # Bound to the row: after a delete and a new save under the same name the links stop working.
             urls = self._ctx.store.download_urls(checkpoint.storage_uri, base_url, expires,
-                                                 version=str(checkpoint.id))
+                                                 version=checkpoint_version(checkpoint.id, checkpoint.created_at))
         except StorageError as exc:
             raise NotFound(not_found("checkpoint", parsed.uri), field="path") from exc
         return SignedUrls(urls=urls, expires=expires)
@@ -141,9 +142,12 @@ class CatalogOps:
         return path
 
     def _still_signed_row(self, db: Session, version: str, path: Path) -> bool:
-        """Whether checkpoint row `version` still exists, unexpired, and holds `path`."""
-        row = db.get(CheckpointRow, int(version)) if version.isdigit() else None
-        if row is None or (row.expires_at is not None and row.expires_at <= self._ctx.clock()):
+        """Whether the checkpoint version a token was signed for still exists, unexpired, and holds `path`."""
+        row_id = version.partition(".")[0]
+        row = db.get(CheckpointRow, int(row_id)) if row_id.isdigit() else None
+        if row is None or checkpoint_version(row.id, row.created_at) != version:
+            return False
+        if row.expires_at is not None and row.expires_at <= self._ctx.clock():
             return False
         return path.is_relative_to(self._ctx.store.local_path(row.storage_uri).resolve())
 

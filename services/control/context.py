@@ -48,6 +48,9 @@ class ControlOptions:
     """Lifetime of signed external-weights download URLs."""
     sampler_load_timeout_s: float = 300.0
     """How long `create_sampling_session` waits for a checkpoint to load before giving up (503)."""
+    sampler_recheck_s: float = 5.0
+    """How long a sampling session's checkpoint counts as still readable before the next sample re-checks it
+    (bounds how long a deleted, unpublished or replaced checkpoint keeps being sampled)."""
     default_max_models: int | None = None
     """Models per tenant when the tenant row sets no `max_models` (None: unlimited)."""
     scratch_dir: Path | None = None

@@ -2,8 +2,8 @@
 
 A sampling session samples from one of three things:
 - a checkpoint (`model_path`): the checkpoint is loaded once into the frozen adapter
-  `sampler:<tinker path>@<checkpoint row id>`, shared by every session of that checkpoint (the row id
-  makes an overwritten checkpoint load afresh);
+  `sampler:<tinker path>@<checkpoint version>`, shared by every session of that checkpoint (the version,
+  row id and creation time, makes an overwritten checkpoint load afresh);
 - an ephemeral snapshot of a training model (`save_weights_for_sampler` without a path): the adapter
   `sampler:<sampling session id>`, copied by the save itself;
 - the bare base model: no adapter.
@@ -13,8 +13,8 @@ adapter gets seq 0 for its first load attempt, seq 1 after a failed one, and so 
 
 A binding to a checkpoint is not forever: the checkpoint may be deleted, unpublished or replaced (a new
 row under the same path) after the session was created. `BindingCheck` re-reads readability for the
-session's tenant before a sample (cached `RECHECK_S` per session), so revocation takes effect within
-seconds for every tenant sampling it.
+session's tenant before a sample (cached `ControlOptions.sampler_recheck_s` per session, 5 s), so
+revocation takes effect within seconds for every tenant sampling it.
 
 Where the bindings and load attempts live is pluggable: `SamplerDirectory` / `MemoryLoadLedger` keep them
 in this process (the embedded deployment, where adapters do not outlive the process either); a cluster
@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -51,16 +52,22 @@ def ephemeral_adapter_id(sampling_id: SamplingSessionId) -> AdapterId:
     return AdapterId(f"{SAMPLER_PREFIX}{sampling_id}")
 
 
-def checkpoint_adapter_id(tinker_path: str, checkpoint_row_id: int) -> AdapterId:
-    return AdapterId(f"{SAMPLER_PREFIX}{tinker_path}@{checkpoint_row_id}")
+def checkpoint_adapter_id(tinker_path: str, version: str) -> AdapterId:
+    return AdapterId(f"{SAMPLER_PREFIX}{tinker_path}@{version}")
 
 
-def bound_checkpoint_row(adapter_id: AdapterId | None) -> int | None:
-    """The checkpoint row id a sampler adapter was loaded from (None: ephemeral or base model)."""
+def checkpoint_version(row_id: int, created_at: datetime) -> str:
+    """What identifies one saved state of a checkpoint path: its row id *and* creation time (SQLite reuses
+    the id of a deleted row, so a delete and a new save under the same name may get the same id)."""
+    return f"{row_id}.{int(created_at.timestamp() * 1_000_000)}"
+
+
+def bound_checkpoint_version(adapter_id: AdapterId | None) -> str | None:
+    """The checkpoint version a sampler adapter was loaded from (None: ephemeral or base model)."""
     if adapter_id is None or not adapter_id.startswith(SAMPLER_PREFIX + "tinker://"):
         return None
-    _, sep, row_id = adapter_id.rpartition("@")
-    return int(row_id) if sep and row_id.isdigit() else None
+    _, sep, version = adapter_id.rpartition("@")
+    return version if sep else None
 
 
 class BindingCheck:
@@ -119,7 +126,8 @@ class SamplerDirectory:
 @dataclass(frozen=True)
 class CheckpointToLoad:
     tinker_path: str
-    row_id: int
+    version: str
+    """`checkpoint_version` of the row."""
     local_path: Path
 
 
@@ -183,7 +191,7 @@ class CheckpointLoader:
 
     async def ensure(self, tenant: Tenant, served: ServedModel, checkpoint: CheckpointToLoad) -> AdapterId:
         """The checkpoint's adapter, loaded (waiting for the load if needed). Raises if it cannot load."""
-        adapter_id = checkpoint_adapter_id(checkpoint.tinker_path, checkpoint.row_id)
+        adapter_id = checkpoint_adapter_id(checkpoint.tinker_path, checkpoint.version)
         async with self._locks.setdefault(adapter_id, asyncio.Lock()):
             state = await asyncio.to_thread(self._ledger.current, adapter_id)
             status = "failed" if state is None else await self._status(adapter_id, state)

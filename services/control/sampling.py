@@ -27,7 +27,8 @@ from services.control.samplers import (
     LoadLedger,
     SamplerBinding,
     SamplerBindings,
-    bound_checkpoint_row,
+    bound_checkpoint_version,
+    checkpoint_version,
 )
 from services.db.errors import NotFoundError
 from services.db.ids import RequestId, SamplingSessionId, SessionId, TenantId
@@ -52,7 +53,7 @@ class SamplingOps:
         self._samplers = samplers
         self._loader = CheckpointLoader(ctx, loads)
         self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
-        self._binding_check = BindingCheck()
+        self._binding_check = BindingCheck(ctx.options.sampler_recheck_s)
 
     async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
                                       model_path: str | None, base_model: str | None) -> SamplingSessionId:
@@ -66,8 +67,8 @@ class SamplingOps:
             raise Invalid("create_sampling_session needs a model_path or a base_model", field="model_path")
 
         def tx(db: Session) -> SamplingSessionRow:
-            try:
             self._ctx.quotas.check_sampling_sessions(db, tenant)
+            try:
                 return create_sampling_session(db, TenantId(tenant.id), session_id, seq,
                                                base_model=binding.base_model, model_path=model_path,
                                                now=self._ctx.clock())
@@ -102,28 +103,29 @@ class SamplingOps:
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
         return SampleSubmitted(request_id, sample_sequence_ids(request_id, work.num_samples))
 
-    async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplingSessionRow:
-        row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
     async def _check_still_readable(self, tenant: Tenant, row: SamplingSessionRow, binding: SamplerBinding) -> None:
         """A session bound to a checkpoint samples only while that very checkpoint row is readable by the
         session's tenant (deleted, unpublished or re-saved since: 404, like any checkpoint it cannot read)."""
-        sampler_id, bound_row = SamplingSessionId(row.id), bound_checkpoint_row(binding.adapter_id)
-        if row.model_path is None or bound_row is None or not self._binding_check.due(sampler_id):
+        sampler_id, bound = SamplingSessionId(row.id), bound_checkpoint_version(binding.adapter_id)
+        if row.model_path is None or bound is None or not self._binding_check.due(sampler_id):
             return
         parsed = parse_path(row.model_path, "model_path")
 
-        def tx(db: Session) -> int | None:
+        def tx(db: Session) -> str | None:
             try:
-                return readable_checkpoint(db, tenant, parsed)[0].id
+                checkpoint = readable_checkpoint(db, tenant, parsed)[0]
             except NotFound:
                 return None
+            return checkpoint_version(checkpoint.id, checkpoint.created_at)
 
-        if await self._ctx.tx(tx) != bound_row:
+        if await self._ctx.tx(tx) != bound:
             self._binding_check.forget(sampler_id)
             raise NotFound(f"checkpoint {parsed.uri} of sampling session {sampler_id} was deleted, unpublished or "
                            "replaced; create a new sampling client", field="sampling_session_id")
         self._binding_check.passed(sampler_id)
 
+    async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplingSessionRow:
+        row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
         if row is None:
             raise NotFound(not_found("sampling session", sampler_id), field="sampling_session_id")
         return row
@@ -154,7 +156,7 @@ class SamplingOps:
                 raise Invalid(f"checkpoint {parsed.uri} belongs to {source.base_model}, not {base_model}",
                               field="base_model")
             local = self._ctx.store.local_path(checkpoint.storage_uri)
-            return CheckpointToLoad(parsed.uri, checkpoint.id, local), served
+            return CheckpointToLoad(parsed.uri, checkpoint_version(checkpoint.id, checkpoint.created_at), local), served
 
         to_load, served = await self._ctx.tx(tx)
         adapter_id = await self._loader.ensure(tenant, served, to_load)
