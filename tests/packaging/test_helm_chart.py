@@ -170,6 +170,9 @@ def test_only_the_gateway_takes_outside_traffic(rendered: dict[str, list[Manifes
     from_release = internal["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     assert from_release["app.kubernetes.io/instance"] == "carpool-test"
     assert internal["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    operator = internal["ingress"][2]
+    assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kuberay-system"}
     services = [m.obj["metadata"]["labels"]["app.kubernetes.io/component"]
                 for m in of_kind(rendered["production-gpu-values"], "Service")]
     assert services == ["gateway"]
