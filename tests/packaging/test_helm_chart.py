@@ -266,9 +266,9 @@ NEEDED = {
     "serve": {"CARPOOL_DATABASE_URL", "CARPOOL_REDIS_URL", "CARPOOL_SECRET_KEY", "CARPOOL_BASE_MODELS",
               "CARPOOL_DATA_DIR", "CARPOOL_REDIS_PREFIX", "CARPOOL_HOST", "CARPOOL_PORT"},
     "scheduler": {"CARPOOL_DATABASE_URL", "CARPOOL_REDIS_URL", "CARPOOL_BASE_MODELS", "CARPOOL_DATA_DIR",
-                  "CARPOOL_REDIS_PREFIX", "CARPOOL_METRICS_PORT"},
+                  "CARPOOL_REDIS_PREFIX", "CARPOOL_METRICS_PORT", "CARPOOL_HOST"},
     "hub-worker": {"CARPOOL_DATABASE_URL", "CARPOOL_REDIS_URL", "CARPOOL_SECRET_KEY", "CARPOOL_DATA_DIR",
-                   "CARPOOL_REDIS_PREFIX", "CARPOOL_METRICS_PORT", "CARPOOL_HUB_HEARTBEAT_FILE"},
+                   "CARPOOL_REDIS_PREFIX", "CARPOOL_METRICS_PORT", "CARPOOL_HOST", "CARPOOL_HUB_HEARTBEAT_FILE"},
     "migrate": {"CARPOOL_DATABASE_URL"},
     "ray": {"CARPOOL_REDIS_URL", "CARPOOL_BASE_MODELS", "CARPOOL_DATA_DIR", "CARPOOL_REDIS_PREFIX"},
 }
@@ -342,8 +342,9 @@ def test_drift_ports_and_paths_agree_with_the_containers(rendered: dict[str, lis
                 assert env["CARPOOL_DATA_DIR"] == mounts["data"], manifest.name
             if _process(container) == "serve":
                 assert (env["CARPOOL_HOST"], int(env["CARPOOL_PORT"])) == ("0.0.0.0", ports["http"])
-            if "CARPOOL_METRICS_PORT" in env:
+            if "CARPOOL_METRICS_PORT" in env:  # served on CARPOOL_HOST: it must be reachable from outside the pod
                 assert int(env["CARPOOL_METRICS_PORT"]) == ports["metrics"], manifest.name
+                assert env["CARPOOL_HOST"] == "0.0.0.0", manifest.name
 
 
 # -- packaging facts ------------------------------------------------------------------------------------------
