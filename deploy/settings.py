@@ -277,6 +277,10 @@ class ClusterSettings(ServiceSettings):
         "Sampling sessions per tenant without a max_sampling_sessions quota (cluster mode default: 2000)."))
     hub_broker_url: str | None = Field(None, description=(
         "Celery broker of hub pushes (`carpool hub-worker` consumes it); default: redis_url."))
+    hub_heartbeat_file: Path | None = Field(None, description=(
+        "File the hub worker touches every 10 s while it runs, pushing or idle (its Kubernetes liveness "
+        "probe checks the file's age; `celery inspect ping` would time out while a push holds the slot); "
+        "unset: none."))
     metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "Port of the Prometheus /metrics endpoint of a scheduler (`carpool scheduler`) or hub worker, which "
         "serve no other HTTP; unset: none. Gateways serve /metrics on their own port."))
