@@ -137,3 +137,46 @@ def test_encrypted_exports_are_refused_clearly_with_s3(nodes: tuple[Harness, Har
     with pytest.raises(Invalid) as info:
         a.run(a.control.save(t, model, 1, "external", options))
     assert info.value.field == "age_encryption_recipients"
+
+
+def test_ttl_expiry_removes_the_objects(nodes: tuple[Harness, Harness], s3_server: S3Server) -> None:
+    from datetime import timedelta
+
+    from services.control.sweeper import Sweeper
+    from services.db.columns import utcnow
+
+    a, _ = nodes
+    t = a.tenant("acme")
+    model = a.run(a.control.create_model(t, a.session(t), 0, BASE, SPEC, None)).model_id
+    save = a.run(a.control.save(t, model, 1, "sampler", SaveOptions(name="ttl", ttl_seconds=60)))
+    assert isinstance(a.done(t, save.request_id), CheckpointRef)
+    assert isinstance(a.store, S3CheckpointStore)
+    bucket = a.store.location.bucket
+    assert s3_client(s3_server.url).list_objects_v2(Bucket=bucket)["KeyCount"] > 0
+    report = Sweeper(a.db, a.store, clock=lambda: utcnow() + timedelta(hours=1)).sweep_once()
+    assert report.checkpoints_deleted == 1 and report.files_failed == 0
+    assert s3_client(s3_server.url).list_objects_v2(Bucket=bucket)["KeyCount"] == 0
+
+
+def test_hub_push_of_an_s3_checkpoint_from_another_node(nodes: tuple[Harness, Harness]) -> None:
+    from services.db.hub_pushes import create_hub_push, get_hub_push, put_hub_credential
+    from services.hub.clients import HuggingFaceClient
+    from services.hub.credentials import TokenCipher
+    from services.hub.runner import Finished, PushRunner
+    from tests.hub_fakes import FakeHfApi
+
+    a, b = nodes
+    t = a.tenant("acme")
+    model = a.run(a.control.create_model(t, a.session(t), 0, BASE, SPEC, None)).model_id
+    ref = a.done(t, a.run(a.control.save(t, model, 1, "training", SaveOptions(name="pushed"))).request_id)
+    assert isinstance(ref, CheckpointRef)
+    cipher, hub = TokenCipher(b"k" * 32), FakeHfApi()
+    with b.db.sessions.begin() as db:
+        put_hub_credential(db, t.id, "hf", cipher.encrypt("hf_token"))  # type: ignore[arg-type]
+        push_id = create_hub_push(db, t.id, ref.tinker_path, target="hf", repo="acme/s3").id  # type: ignore[arg-type]
+    runner = PushRunner(b.db, b.store, {"hf": HuggingFaceClient(hub)}, cipher)
+    assert runner.run(push_id, 0) == Finished("done")
+    assert sorted(hub.repos["acme/s3"].files) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert isinstance(b.store, S3CheckpointStore) and b.store.cache.keys()  # fetched (and verified) by node B
+    with b.db.sessions.begin() as db:
+        assert get_hub_push(db, t.id, push_id).status == "done"  # type: ignore[arg-type, union-attr]
