@@ -45,11 +45,16 @@ def _train(client: tinker.TrainingClient, steps: int, text: str = TEXT) -> None:
         opt.result()
 
 
-@pytest.fixture(scope="module")
-def trained(service: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
+def _trained_model(service: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
     client = service.create_lora_training_client(base_model=base_model, rank=16, seed=21).result()
     _train(client, 12)
     return client
+
+
+@pytest.fixture(scope="module")
+def trained(service: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
+    """The module's trained model. Tests only read it (sample, forward): any order sees the same weights."""
+    return _trained_model(service, base_model)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +85,9 @@ def _full_distribution(client: tinker.TrainingClient, tokens: Sequence[int]) -> 
     return out.reshape(n, VOCAB)
 
 
-def test_greedy_samples_follow_the_adapters_argmax(service: tinker.ServiceClient, trained: tinker.TrainingClient,
+def test_greedy_samples_follow_the_adapters_argmax(service: tinker.ServiceClient, base_model: str,
                                                    prompt: list[int]) -> None:
+    trained = _trained_model(service, base_model)  # its own: this test trains on, the shared one stays put
     path = trained.save_weights_for_sampler("greedy").result().path
     assert path == f"tinker://{trained.model_id}/sampler_weights/greedy"
     sampler = service.create_sampling_client(model_path=path).result()

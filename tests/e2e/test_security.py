@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -108,8 +109,42 @@ def train_step(training: TrainingClient) -> float:
 # -- fixtures -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def issued_keys() -> list[str]:
-    """Every tenant key this module handed out; the last test checks none of them reached the log."""
+    """Every tenant key this module handed out; none may reach the log (checked by `log_scanned_at_the_end`
+    after the server stopped, whatever order the tests ran in)."""
     return []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def log_scanned_at_the_end(server: Server, issued_keys: list[str]) -> Iterator[None]:
+    """After the module's last test: stop the server (its exit flushes every stream) and scan the whole log
+    for every key any test issued. `test_keys_never_reach_the_log` checks its own provocations at once."""
+    yield
+    server.stop()
+    assert_no_key_in_log(server.log(), issued_keys, server.admin_key)
+
+
+def assert_no_key_in_log(log: str, tenant_keys: list[str], admin_key: str) -> None:
+    assert "Traceback" not in log, log[-4000:]
+    for key in tenant_keys:
+        assert key not in log, f"tenant key {key[:12]}... appears in the server log"
+    # The admin key is printed exactly once, on purpose: the bootstrap banner (stdout, not a log record).
+    banner = log.splitlines()
+    at = [i for i, line in enumerate(banner) if admin_key in line]
+    assert len(at) == 1 and banner[at[0]].strip() == admin_key, "admin key outside its banner"
+    assert "admin tenant" in banner[at[0] - 1]
+
+
+def flushed_log(server: Server, key: str) -> str:
+    """The server's output once everything before this call is in it: a request for a marker path, whose
+    access-log line comes after those of all requests answered before it, is waited for explicitly."""
+    marker = f"log-flush-marker-{uuid.uuid4().hex}"
+    with api(server, key) as client:
+        client.get(f"/api/v1/training_runs/{marker}")
+    deadline = time.monotonic() + 60
+    while marker not in (log := server.log()):
+        assert time.monotonic() < deadline, "the marker request never reached the server log"
+        time.sleep(0.05)
+    return log
 
 
 @dataclass
@@ -432,7 +467,7 @@ def test_published_checkpoint_is_readable_but_stays_owner_only(server: Server, t
     }), path)
 
 
-# -- key hygiene (keep last: it checks what every test above left in the log) --------------------------
+# -- key hygiene (any order: what other tests leave in the log is scanned at module teardown) ------------
 def test_keys_never_reach_the_log(server: Server, tenant_a: TenantA, key_b: str, issued_keys: list[str]) -> None:
     assert server.admin_key.startswith("tml-"), "the admin key was not found in the bootstrap banner"
     # Provoke the places a key could leak through: URLs (the access log), bodies echoed in errors, client
@@ -455,14 +490,6 @@ def test_keys_never_reach_the_log(server: Server, tenant_a: TenantA, key_b: str,
     with httpx.Client(base_url=server.url, timeout=30) as anonymous:
         anonymous.get("/api/v1/training_runs", headers={"X-API-Key": key_b + "x"})  # a near-miss key
         anonymous.get("/api/v1/training_runs", headers={"Authorization": f"Basic {key_b}"})
-    time.sleep(0.5)  # let the server flush its output
-    log = server.log()
-    assert "Traceback" not in log, log[-4000:]
+    log = flushed_log(server, key_b)
     assert issued_keys, "no keys were issued?"
-    for key in [*issued_keys, key_b, tenant_a.key]:
-        assert key not in log, f"tenant key {key[:12]}... appears in the server log"
-    # The admin key is printed exactly once, on purpose: the bootstrap banner (stdout, not a log record).
-    banner = log.splitlines()
-    at = [i for i, line in enumerate(banner) if server.admin_key in line]
-    assert len(at) == 1 and banner[at[0]].strip() == server.admin_key, "admin key outside its banner"
-    assert "admin tenant" in banner[at[0] - 1]
+    assert_no_key_in_log(log, [*issued_keys, key_b, tenant_a.key], server.admin_key)
