@@ -127,6 +127,21 @@ def harness(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
     h.close()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def harness_on_each_database(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
+    """A harness once on SQLite (embedded mode's store) and once on a scratch PostgreSQL (cluster mode's)."""
+    if request.param == "sqlite":
+        h = build_harness(database_url_for_data_dir(tmp_path), tiny_model_dir, tmp_path)
+        yield h
+        h.close()
+        return
+    require_postgres()
+    with scratch_postgres_database() as url:
+        h = build_harness(url, tiny_model_dir, tmp_path)
+        yield h
+        h.close()
+
+
 @pytest.fixture
 def postgres_harness(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Harness]:
     require_postgres()

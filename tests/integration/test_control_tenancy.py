@@ -104,8 +104,8 @@ def _not_found_message(h: Harness, call: Callable[[str], Coroutine[Any, Any, obj
     return caught.value.message.replace(ident, "<id>")
 
 
-def test_another_tenants_ids_are_not_found(harness: Harness) -> None:
-    h = harness
+def test_another_tenants_ids_are_not_found(harness_on_each_database: Harness) -> None:
+    h = harness_on_each_database
     a, b = h.tenant("alice"), h.tenant("bob")
     sa = h.session(a)
     sb = h.session(b)
