@@ -161,6 +161,54 @@ class HoldDecision:
     waiting_for: frozenset[TenantId] = frozenset()
 
 
+USUAL_WEIGHT = 0.2
+"""Weight of the newest item in a lane's moving-average duration."""
+
+
+class Holds:
+    """The hold state of one scheduler: per lane (PASS, SAMPLE) its items' usual duration and when the item
+    now held was first held; `decide` turns the forecast into a hold or a dispatch."""
+
+    def __init__(self, factor: float, max_s: float, forecast: ArrivalForecast) -> None:
+        self.forecast = forecast
+        self._factor = factor
+        self._max_s = max_s
+        self._usual_s: dict[str, float] = {}
+        self._held_since: dict[str, float] = {}
+
+    def observe(self, lane: str, seconds: float) -> None:
+        """An item of `lane` took `seconds`."""
+        usual = self._usual_s.get(lane)
+        self._usual_s[lane] = seconds if usual is None else usual + USUAL_WEIGHT * (seconds - usual)
+
+    def release(self, lane: str) -> None:
+        """`lane`'s item is dispatched (or there is none): the next hold starts afresh."""
+        self._held_since.pop(lane, None)
+
+    def decide(self, lane: str, now: float, ready: set[TenantId], barrier_pending: set[TenantId],
+               fixed_cost_s: float | None) -> float | None:
+        """Seconds to hold `lane`'s next item, or None to dispatch it now. `fixed_cost_s`: a pass's fitted
+        fixed cost, if there is a fit."""
+        usual = self._usual_s.get(lane)
+        if usual is None or not self._factor > 0:
+            return self.release(lane)
+        expected = self.forecast.expected(lane, now, ready=ready, barrier_pending=barrier_pending)
+        budget = min(self._max_s, self._factor * _fixed_cost(lane, usual, fixed_cost_s))
+        decision = decide_hold(expected, now, self._held_since.setdefault(lane, now), budget)
+        if decision.hold_s is None:
+            self.release(lane)
+        return decision.hold_s
+
+
+def _fixed_cost(lane: str, usual: float, fitted: float | None) -> float:
+    """What an item of `lane` costs whatever it holds: what a tenant joining it saves, and so what holding
+    for it may cost. A pass's fitted fixed cost (half its usual duration until there is a fit); a sample
+    batch's decode costs per step, nearly whatever its rows, so all of it."""
+    if lane == SAMPLE:
+        return usual
+    return usual / 2 if fitted is None else fitted
+
+
 def decide_hold(expected: Mapping[TenantId, Expected], now: float, held_since: float,
                 budget_s: float) -> HoldDecision:
     """Hold while a tenant is predicted to arrive before the hold (begun at `held_since`) has lasted

@@ -34,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from services.domain.training import WorkError
-from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, decide_hold
+from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, Holds
 from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
 from services.scheduler.pacing import PassPacer
 from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
@@ -57,8 +57,6 @@ from services.scheduler.requests import (
     error_completion,
 )
 
-USUAL_WEIGHT = 0.2
-"""Weight of the newest item in a lane's moving-average duration (the hold budget's scale)."""
 CONTENTION_WINDOW_S = 5.0
 """How recently another tenant must have had pass work for passes to be paced (a training loop's requests
 come back within a few passes; an idle tenant should not cost the busy one its packing)."""
@@ -88,11 +86,8 @@ class Scheduler:
         self._pass_work: dict[TenantId, tuple[int, float]] = {}
         """Per tenant with pass work lately: (its queued pass tokens when last seen with some, when)."""
         self._last_completed_at = float("-inf")
-        self._forecast = ArrivalForecast(CONTENTION_WINDOW_S)
-        self._held_since: dict[str, float] = {}
-        """Per lane (PASS, SAMPLE): when the item now being held was first held."""
-        self._usual_s: dict[str, float] = {}
-        """Per lane: a moving average of how long its items take (the hold budget's scale)."""
+        self._holds = Holds(self.limits.hold_factor, self.limits.max_hold_seconds,
+                            ArrivalForecast(CONTENTION_WINDOW_S))
         self._ready: dict[ModelId, deque[QueuedRequest]] = {}
         self._samples: dict[TenantId, deque[QueuedRequest]] = {}
         self._rejected: list[Completion] = []
@@ -123,7 +118,7 @@ class Scheduler:
             # When it reached the gateway, if that is on this clock: the loop claims it only after the item
             # running then, and the client's turnaround must not include that.
             arrived = request.enqueued_at if 0 <= now - request.enqueued_at <= CONTENTION_WINDOW_S else now
-            self._forecast.arrived(request.tenant_id, request.kind, arrived)
+            self._holds.forecast.arrived(request.tenant_id, request.kind, arrived)
         return admission
 
     def mark_consumed(self, model_id: ModelId, seq_id: int, request_id: RequestId | None = None) -> None:
@@ -143,7 +138,7 @@ class Scheduler:
     def step(self) -> StepPlan:
         """Plan what to dispatch now. Every returned item must later go through `complete()`."""
         self._take_in_order()
-        self._forecast.forget_idle(self._clock())
+        self._holds.forecast.forget_idle(self._clock())
         barriers = self._plan_barriers()
         passes, pass_hold = self._plan_passes()
         sample_batches, sample_hold = self._plan_sample_batches()
@@ -274,8 +269,13 @@ class Scheduler:
             budget = self._pass_budget(runs)
             if i == 0:
                 # Room is judged against the hard limit: the paced budget grows by one share per arrival.
+                # Beside a heavy backlog pacing decides (a paced pass fits about one request: holding for
+                # the light tenant only makes it alternate with the heavy one), so no hold then.
+                alike = self._alike_tokens()
+                heavy = alike is not None and any(tokens > alike for tokens, _ in self._pass_work.values())
+                queued = sum(r.num_tokens for run in runs for r in run)
                 hold = self._hold(PASS, {run[0].tenant_id for run in runs},
-                                  sum(r.num_tokens for run in runs for r in run) < self.limits.max_tokens_per_pass)
+                                  not heavy and queued < self.limits.max_tokens_per_pass)
                 if hold is not None:
                     return (), hold
             chosen = self._packer.pack(runs, self.limits, budget) if runs else []
@@ -304,42 +304,33 @@ class Scheduler:
         wait beside a heavy backlog; equal tenants split over several passes would each wait longer, not
         less, and pay a pass's fixed cost each. Else the hard limit."""
         hard = self.limits.max_tokens_per_pass
-        if len(self._pass_work) < 2:
+        alike = self._alike_tokens()
+        if alike is None:
             return hard
         smallest = min(tokens for tokens, _ in self._pass_work.values())
         queued: Counter[TenantId] = Counter()
         for run in runs:
             queued[run[0].tenant_id] += sum(r.num_tokens for r in run)
-        alike = max(1.0, self.limits.pass_latency_factor) * smallest
         one_round = sum(tokens for tokens in queued.values() if tokens <= alike)
         return max(self._pacer.budget(hard, smallest), min(hard, one_round))
 
+    def _alike_tokens(self) -> float | None:
+        """While tenants contend: the most queued pass work of a tenant about the size of the smallest one
+        (within the latency factor); more is a heavy backlog, what pacing is for. None: no contention."""
+        if len(self._pass_work) < 2:
+            return None
+        return max(1.0, self.limits.pass_latency_factor) * min(tokens for tokens, _ in self._pass_work.values())
+
     def _hold(self, lane: str, ready: set[TenantId], has_room: bool) -> float | None:
         """Seconds to hold `lane`'s next item for expected tenants, or None to dispatch it now."""
-        now = self._clock()
-        usual = self._usual_s.get(lane)
-        if not ready or not has_room or usual is None or not self.limits.hold_factor > 0:
-            self._held_since.pop(lane, None)
-            return None
+        if not ready or not has_room:
+            return self._holds.release(lane)
         pending = {q[0].tenant_id for q in self._ready.values() if q and q[0].kind.is_barrier}
         pending |= {i.request.tenant_id for i in self._in_flight.values() if isinstance(i, BarrierPlan)}
-        expected = self._forecast.expected(lane, now, ready=ready, barrier_pending=pending)
-        budget = min(self.limits.max_hold_seconds, self.limits.hold_factor * self._fixed_cost(lane, usual))
-        decision = decide_hold(expected, now, self._held_since.setdefault(lane, now), budget)
-        if decision.hold_s is None:
-            self._held_since.pop(lane, None)
-        else:
-            self._totals["holds"] += 1
-        return decision.hold_s
-
-    def _fixed_cost(self, lane: str, usual: float) -> float:
-        """What an item of `lane` costs whatever it holds: what a tenant joining it saves, and so what
-        holding for it may cost. A pass's fitted fixed cost (half its usual duration until there is a fit);
-        a sample batch's decode costs per step, nearly whatever its rows, so all of it."""
-        if lane == SAMPLE:
-            return usual
-        cost = self._pacer.model.cost()
-        return usual / 2 if cost is None else cost[0]
+        fit = self._pacer.model.cost()
+        hold_s = self._holds.decide(lane, self._clock(), ready, pending, None if fit is None else fit[0])
+        self._totals["holds"] += hold_s is not None
+        return hold_s
 
     def _pass_runs(self) -> Iterator[list[QueuedRequest]]:
         """Per schedulable model, its consecutive pass-kind requests up to the next barrier."""
@@ -393,9 +384,7 @@ class Scheduler:
         if isinstance(item, PassPlan):
             self._pacer.observe(item.num_tokens, seconds)
         if not isinstance(item, BarrierPlan):
-            lane = PASS if isinstance(item, PassPlan) else SAMPLE
-            usual = self._usual_s.get(lane)
-            self._usual_s[lane] = seconds if usual is None else usual + USUAL_WEIGHT * (seconds - usual)
+            self._holds.observe(PASS if isinstance(item, PassPlan) else SAMPLE, seconds)
         self._last_completed_at = now
 
     def _note_completed(self, item: PlanItem) -> None:
@@ -405,7 +394,8 @@ class Scheduler:
                                                      self._queued_samples())}
         busy |= {r.tenant_id for i in self._in_flight.values() for r in i.requests}
         for request in item.requests:
-            self._forecast.completed(request.tenant_id, request.kind, now, idle=request.tenant_id not in busy)
+            self._holds.forecast.completed(request.tenant_id, request.kind, now,
+                                           idle=request.tenant_id not in busy)
 
     def _new_item_id(self) -> PlanItemId:
         return PlanItemId(next(self._item_ids))

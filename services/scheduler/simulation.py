@@ -64,6 +64,11 @@ class Client:
     """Client work before each forward_backward / sample (data preparation, a rollout elsewhere)."""
     sampling: bool = False
     start_s: float = 0.0
+    models: int = 1
+    """Independent loops of this tenant (each its own model), like bench/fairness.py's heavy tenant."""
+
+    def loops(self) -> list[str]:
+        return [self.tenant] if self.models == 1 else [f"{self.tenant}/{k}" for k in range(self.models)]
 
 
 @dataclass
@@ -106,20 +111,21 @@ class ClosedLoopSim:
         self.scheduler = Scheduler(limits, clock=self.clock)
         self.cost = cost
         self.clients = {c.tenant: c for c in clients}
+        self._loops = {loop: c for c in clients for loop in c.loops()}
         self.now = 0.0
         self._rng = random.Random(seed)
         self._jitter = jitter
         self._events: list[tuple[float, int, str, RequestKind]] = []
         self._order = itertools.count()
         self._seq: dict[str, int] = {}
-        self._submitted: dict[RequestId, float] = {}
+        self._submitted: dict[RequestId, tuple[float, str]] = {}
         self._stopped: set[str] = set()
         self._thinking: dict[str, tuple[float, float]] = {}
         self.report = SimReport()
-        for client in clients:
+        for loop, client in self._loops.items():
             if not client.sampling:
-                self.scheduler.open_model(ModelId(client.tenant), next_seq_id=1)
-            self._at(client.start_s, client.tenant, _first_kind(client))
+                self.scheduler.open_model(ModelId(loop), next_seq_id=1)
+            self._at(client.start_s, loop, _first_kind(client))
 
     def clock(self) -> float:
         """The scheduler's clock: simulated seconds."""
@@ -148,23 +154,24 @@ class ClosedLoopSim:
         self.report.holds += self.scheduler.stats().holds - holds_before
         return self.report
 
-    def _at(self, when: float, tenant: str, kind: RequestKind) -> None:
-        heapq.heappush(self._events, (when, next(self._order), tenant, kind))
+    def _at(self, when: float, loop: str, kind: RequestKind) -> None:
+        heapq.heappush(self._events, (when, next(self._order), loop, kind))
 
     def _arrive(self) -> None:
         """Submit what arrived by now; the loop learns of it only now (after the item that ran), but the
         request carries its arrival time, as `enqueued_at` does in the service."""
         while self._events and self._events[0][0] <= self.now:
-            at, _, tenant, kind = heapq.heappop(self._events)
-            self._submit(self.clients[tenant], kind, at)
+            at, _, loop, kind = heapq.heappop(self._events)
+            self._submit(loop, kind, at)
 
-    def _submit(self, client: Client, kind: RequestKind, at: float) -> None:
-        seq = self._seq.get(client.tenant, 0) + 1
-        self._seq[client.tenant] = seq
-        request_id = RequestId(f"{client.tenant}#{seq}")
+    def _submit(self, loop: str, kind: RequestKind, at: float) -> None:
+        client = self._loops[loop]
+        seq = self._seq.get(loop, 0) + 1
+        self._seq[loop] = seq
+        request_id = RequestId(f"{loop}#{seq}")
         tokens = 0 if kind is RequestKind.OPTIM_STEP else client.tokens
-        model = ModelId(client.tenant if kind.is_ordered else f"{client.tenant}:sampler")
-        self._submitted[request_id] = at
+        model = ModelId(loop if kind.is_ordered else f"{loop}:sampler")
+        self._submitted[request_id] = (at, loop)
         self.scheduler.submit(QueuedRequest(request_id, TenantId(client.tenant), model, kind,
                                             seq if kind.is_ordered else None, tokens, at))
 
@@ -184,8 +191,8 @@ class ClosedLoopSim:
             self._completed(completion.request)
 
     def _completed(self, request: QueuedRequest) -> None:
-        client = self.clients[request.tenant_id]
-        submitted = self._submitted.pop(request.request_id)
+        submitted, loop = self._submitted.pop(request.request_id)
+        client = self._loops[loop]
         if request.kind is not RequestKind.OPTIM_STEP:
             self.report.tokens[client.tenant] = self.report.tokens.get(client.tenant, 0) + request.num_tokens
             self.report.latencies.setdefault(client.tenant, []).append(self.now - submitted)
@@ -193,14 +200,15 @@ class ClosedLoopSim:
             return
         turnaround = client.turnaround_s * self._rng.uniform(1 - self._jitter, 1 + self._jitter)
         if request.kind is RequestKind.FORWARD_BACKWARD:
-            self._at(self.now + turnaround, client.tenant, RequestKind.OPTIM_STEP)
+            self._at(self.now + turnaround, loop, RequestKind.OPTIM_STEP)
         else:
-            self._thinking[client.tenant] = (self.now, self.now + client.think_s)
-            self._at(self.now + client.think_s + turnaround, client.tenant, _first_kind(client))
+            self._thinking[loop] = (self.now, self.now + client.think_s)
+            self._at(self.now + client.think_s + turnaround, loop, _first_kind(client))
 
     def _is_thinking(self, tenant: str) -> bool:
-        start, end = self._thinking.get(tenant, (0.0, 0.0))
-        return start <= self.now < end
+        """Whether every loop of `tenant` is in its think time now."""
+        spans = [self._thinking.get(loop, (0.0, 0.0)) for loop in self.clients[tenant].loops()]
+        return all(start <= self.now < end for start, end in spans)
 
 
 def _first_kind(client: Client) -> RequestKind:
