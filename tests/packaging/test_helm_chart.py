@@ -394,3 +394,25 @@ def _deployment(manifests: list[Manifest], component: str) -> dict[str, Any]:
 
 def _component(manifest: Manifest) -> str:
     return str(manifest.obj["metadata"]["labels"].get("app.kubernetes.io/component"))
+
+
+def test_probe_overrides_reach_the_hub_worker_and_the_ray_pods() -> None:
+    values = _minimal()
+    tcp = {"tcpSocket": {"port": "metrics"}, "periodSeconds": 20}
+    values["hubWorker"] = {"enabled": True, "probes": {"livenessProbe": tcp}}
+    values["workers"]["worker"]["probes"] = {"readinessProbe": {"exec": {"command": ["true"]}}}
+    manifests = render(values)
+    (hub,) = _deployment(manifests, "hub-worker")["spec"]["template"]["spec"]["containers"]
+    assert hub["livenessProbe"] == tcp
+    (service,) = of_kind(manifests, "RayService")
+    cluster = service.obj["spec"]["rayClusterConfig"]
+    (worker,) = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    assert worker["readinessProbe"] == {"exec": {"command": ["true"]}}
+    assert "readinessProbe" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def test_hub_downloads_are_cached_on_the_shared_volume(rendered: dict[str, list[Manifest]]) -> None:
+    (settings,) = of_kind(rendered["external-secrets-values"], "ConfigMap")
+    mount = load_values(CHART / "ci" / "external-secrets-values.yaml")["storage"]["mountPath"]
+    assert settings.obj["data"]["HF_HOME"].startswith(mount + "/")
+    assert settings.obj["data"]["MODELSCOPE_CACHE"].startswith(mount + "/")

@@ -270,6 +270,9 @@ containers:
       {{- include "carpool.envFrom" $root | trim | nindent 6 }}
     env:
       {{- include "carpool.secretEnv" $root | trim | nindent 6 }}
+    {{- with .section.probes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     resources:
       {{- toYaml $resources | nindent 6 }}
     securityContext:
