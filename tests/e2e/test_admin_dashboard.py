@@ -4,6 +4,7 @@
   ends when the key that opened it is revoked; a non-admin key gets 403 and no admin data.
 - CSRF: a form post without the session's token, with a forged one, or from another origin → 403.
 - Forms: a negative quota, a taken or empty name → 400 with the message next to the field, never a 500.
+- Checkpoints are listed, and a tenant deleting one lands in the audit log.
 - Escaping: a tenant name with `<script>` renders inert. Keys: shown once (no-store), then never in a page,
   the audit log or the server's log. Pages carry a `'self'` Content-Security-Policy.
 """
@@ -16,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+import tinker
 
 from deploy import admin as operator
 from deploy.admin import open_admin_database
@@ -24,7 +26,7 @@ from services.admin.sessions import open_session
 from services.db.ids import ApiKeyId, TenantId
 from services.db.tenants import get_tenant_by_name, list_api_keys
 from tests.e2e.admin_login import admin_client, form_token, login
-from tests.e2e.server import Server
+from tests.e2e.server import TINY_MODEL_NAME, Server
 
 PAGES = ("/admin/", "/admin/overview/live", "/admin/tenants", "/admin/runs", "/admin/requests",
          "/admin/checkpoints", "/admin/usage", "/admin/workers", "/admin/scheduler", "/admin/audit")
@@ -195,3 +197,16 @@ def test_revoking_the_key_of_a_session_ends_it_and_logout_ends_it_too(server: Se
         assert other.get("/admin/").headers.get("location") == "/admin/login"
     finally:
         other.close()
+
+
+def test_checkpoints_are_listed_and_their_deletion_audited(server: Server, admin: httpx.Client) -> None:
+    key = operator.create_tenant(ServiceSettings(data_dir=server.data_dir), "ckpt-corp")[1].key
+    service = tinker.ServiceClient(base_url=server.url, api_key=key)
+    model = service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4).result()
+    path = model.save_state("nightly").result().path
+    listed = admin.get("/admin/checkpoints?tenant=ckpt-corp").text
+    assert path in listed and "ckpt-corp" in listed
+    tinker.RestClient(base_url=server.url, api_key=key).delete_checkpoint_from_tinker_path(path).result()
+    audit = admin.get("/admin/audit?tenant=ckpt-corp").text
+    assert "checkpoint.delete" in audit and "weights/nightly" in audit
+    assert path not in admin.get("/admin/checkpoints?tenant=ckpt-corp").text
