@@ -416,3 +416,14 @@ def test_hub_downloads_are_cached_on_the_shared_volume(rendered: dict[str, list[
     mount = load_values(CHART / "ci" / "external-secrets-values.yaml")["storage"]["mountPath"]
     assert settings.obj["data"]["HF_HOME"].startswith(mount + "/")
     assert settings.obj["data"]["MODELSCOPE_CACHE"].startswith(mount + "/")
+
+
+def test_a_chart_release_alone_does_not_change_the_ray_pod_templates() -> None:
+    """Under upgradeStrategy NewCluster any pod-template change starts a second GPU cluster."""
+    values = load_values(CHART / "ci" / "external-secrets-values.yaml")
+    for manifest in of_kind(render(values), "RayService"):
+        cluster = manifest.obj["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+        for template in templates:
+            labels = template["metadata"]["labels"]
+            assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
