@@ -43,8 +43,10 @@ from services.control.registry import ServedModel
 from services.db.errors import ConflictError
 from services.jobqueue.redis_queue import RedisWorkQueue
 from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
+from services.metrics import ProcessMetrics
 from services.runtime.redis_replicas import ClusterKeys
 from services.runtime.replica_protocol import PublishedModel
+from services.storage import load_or_create_secret
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class ClusterGateway:
         self.service.stop()
 
 
-def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = None) -> ClusterGateway:
+def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = None,
+                          metrics: ProcessMetrics | None = None) -> ClusterGateway:
     db = open_cluster_database(settings)
     try:
         bootstrap_admin(db, out or sys.stdout)
@@ -82,10 +85,11 @@ def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = Non
     control = ServiceControlPlane(db, queue, results, notifier, store, served,
                                   _control_options(settings), samplers=RedisSamplerDirectory(client, prefix=prefix),
                                   loads=RedisLoadLedger(client, prefix=prefix),
-                                  quota_store=RedisQuotaStore(client, prefix=prefix))
+                                  quota_store=RedisQuotaStore(client, prefix=prefix),
+                                  token_secret=load_or_create_secret(settings.signing_secret_path))
     # The embedded service type bundles exactly what the app factory needs (database + control plane);
     # here it runs no scheduler loops and holds no engines.
-    service = EmbeddedService(settings, db, control, sweeper=sweeper_thread(settings, db, store))
+    service = EmbeddedService(settings, db, control, metrics=metrics, sweeper=sweeper_thread(settings, db, store))
     app = build_gateway_app(settings, service)
     return ClusterGateway(service, app, [notifier.close, results.close, client.close])
 

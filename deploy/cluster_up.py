@@ -27,6 +27,7 @@ from deploy.scheduler_service import SchedulerService
 from deploy.settings import ClusterSettings
 from services.db.engine import normalize_database_url
 from services.db.schema import upgrade_to_head
+from services.metrics import ProcessMetrics, start_metrics_server
 from worker.serve.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,14 @@ def cluster_up(settings: ClusterSettings) -> None:
     gateway: Any = None
     try:
         client, db = connect_redis(settings), open_cluster_database(settings)
-        schedulers = [SchedulerService(settings, spec.name, client, db, process_name("scheduler"))
+        # One registry for the process: the gateway's /metrics shows its schedulers' series too.
+        metrics = ProcessMetrics.create(per_tenant=settings.metrics_per_tenant)
+        schedulers = [SchedulerService(settings, spec.name, client, db, process_name("scheduler"), metrics)
                       for spec in config.base_models]
         for scheduler in schedulers:
             scheduler.start()
-        gateway = build_cluster_gateway(settings)
+        gateway = build_cluster_gateway(settings, metrics=metrics)
+        gateway.service.start()  # the sweeper (the gateway runs no scheduler loops)
         log.info("cluster serving %s on http://%s:%d", ", ".join(s.name for s in config.base_models),
                  settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
@@ -143,9 +147,13 @@ def run_scheduler(settings: ClusterSettings, base_model: str) -> None:
         raise StartupError(f"base model {base_model!r} is not configured; configured: {', '.join(names)}")
     service = SchedulerService(settings, base_model, connect_redis(settings), open_cluster_database(settings),
                                process_name("scheduler"))
+    port = settings.metrics_port
+    server = None if port is None else start_metrics_server(service.metrics.registry, host=settings.host, port=port)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     service.start()
     stop.wait()
     service.stop()
+    if server is not None:
+        server.close()

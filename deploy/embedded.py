@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from deploy.admin import bootstrap_admin
+from deploy.metrics_wiring import engine_replicas
 from deploy.settings import BaseModelSpec, ServiceSettings
 from deploy.storage_wiring import checkpoint_store, staged_backend
 from services.auth.log_redaction import RedactApiKeysFilter
@@ -27,13 +28,14 @@ from services.control.plane import ServiceControlPlane
 from services.control.quotas import QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
-from services.db import Database, open_database
 from services.control.sweeper import Sweeper, SweeperThread, SweepOptions
+from services.db import Database, open_database
 from services.db.request_log import fail_unfinished_requests
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue
+from services.metrics import ProcessMetrics
 from services.runtime import LoopConfig, SchedulerLoop
 from services.scheduler import Scheduler, SchedulerLimits
-from services.storage import CheckpointStore, safe_component
+from services.storage import CheckpointStore, load_or_create_secret, safe_component
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class EmbeddedService:
     control: ServiceControlPlane
     loops: list[SchedulerLoop] = field(default_factory=list)
     engines: dict[str, Any] = field(default_factory=dict)
+    metrics: ProcessMetrics | None = None
+    """The process's Prometheus registry, shared by the loops, the engines' residency and the gateway."""
     sweeper: SweeperThread | None = None
     """Deletes expired checkpoints and finishes stale sessions while the service runs."""
 
@@ -114,21 +118,25 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
     engines: dict[str, Any] = {}
     loops: list[SchedulerLoop] = []
     served = []
+    metrics = ProcessMetrics.create(per_tenant=settings.metrics_per_tenant)
+    metrics.add_replicas(engine_replicas(engines))
     store = _checkpoint_store(settings)
     for spec, path in models:
         engine = _engine(settings, spec, path)
         loop = SchedulerLoop(spec.name, staged_backend(engine, store), queue, results, notifier,
                              scheduler=_scheduler(settings),
                              hook=DatabaseCompletionHook(db),
-                             config=loop_config(settings))
+                             config=loop_config(settings), metrics=metrics.runtime)
+        metrics.runtime.for_model(spec.name).lease(True)  # embedded: this process always schedules
         engines[spec.name] = engine
         loops.append(loop)
         served.append(ServedModel(engine.info, engine.limits, queue=spec.name,
                                   max_tokens_per_request=settings.max_tokens_per_step,
                                   max_lora_rank=settings.max_lora_rank, stats=loop.stats))
     control = ServiceControlPlane(db, queue, results, notifier, store, served,
-                                  _control_options(settings))
-    return EmbeddedService(settings, db, control, loops, engines, sweeper_thread(settings, db, store))
+                                  _control_options(settings),
+                                  token_secret=load_or_create_secret(settings.signing_secret_path))
+    return EmbeddedService(settings, db, control, loops, engines, metrics, sweeper_thread(settings, db, store))
 
 
 def _engine(settings: ServiceSettings, spec: BaseModelSpec, path: Path) -> Any:
@@ -202,7 +210,9 @@ def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> An
                                  cache_size=gateway_settings.auth_cache_size)
     from deploy.hub_wiring import hub_service
 
-    return create_app(gateway_settings, service.control, auth, hub_pushes=hub_service(settings, service.db))
+    return create_app(gateway_settings, service.control, auth, metrics=service.metrics,
+                      hub_pushes=hub_service(settings, service.db, service.metrics), admin_database=service.db,
+                      pass_token_budget=settings.max_tokens_per_step)
 
 
 def serve(settings: ServiceSettings) -> None:

@@ -23,6 +23,7 @@ from services.hub.credentials import CredentialError, TokenCipher
 from services.hub.dispatch import CeleryDispatcher, InProcessDispatcher, celery_app, register_push_task
 from services.hub.runner import PushRunner
 from services.hub.service import HubPushService
+from services.metrics import ProcessMetrics, start_metrics_server
 from services.storage import load_or_create_secret
 
 log = logging.getLogger(__name__)
@@ -80,19 +81,20 @@ def modelscope_client(timeout: float) -> HubClient:
 
 
 def push_runner(settings: ServiceSettings, db: Database, *,
-                clients: dict[HubTarget, HubClient] | None = None) -> PushRunner:
+                clients: dict[HubTarget, HubClient] | None = None, metrics: ProcessMetrics | None = None) -> PushRunner:
+    on_finished = metrics.runtime.hub_push_finished if metrics is not None else None
     return PushRunner(db, checkpoint_store(settings), clients or hub_clients(settings), hub_cipher(settings),
                       operator_tokens=operator_tokens(settings), max_retries=settings.hub_push_max_retries,
-                      backoff_s=RETRY_BACKOFF_S, scratch_dir=settings.scratch_dir)
+                      backoff_s=RETRY_BACKOFF_S, scratch_dir=settings.scratch_dir, on_finished=on_finished)
 
 
-def hub_service(settings: ServiceSettings, db: Database) -> HubPushService:
+def hub_service(settings: ServiceSettings, db: Database, metrics: ProcessMetrics | None = None) -> HubPushService:
     """What the gateway serves `/v1/hub_pushes` with, for this mode."""
     cipher = hub_cipher(settings)
     if isinstance(settings, ClusterSettings):
         dispatcher: Any = CeleryDispatcher(celery_app(broker_url(settings), prefix=settings.redis_prefix))
     else:
-        dispatcher = InProcessDispatcher(push_runner(settings, db))
+        dispatcher = InProcessDispatcher(push_runner(settings, db, metrics=metrics))
         with db.sessions.begin() as session:
             dispatcher.resume(unfinished_hub_push_ids(session))  # left by a previous run of this server
     operator = operator_tokens(settings)
@@ -109,7 +111,10 @@ def run_hub_worker(settings: ClusterSettings, *, concurrency: int = 2) -> None:
 
     db = open_cluster_database(settings)
     app = celery_app(broker_url(settings), prefix=settings.redis_prefix)
-    register_push_task(app, push_runner(settings, db))
+    metrics = ProcessMetrics.create()
+    if settings.metrics_port is not None:  # the worker serves no HTTP otherwise; the port lives as long as it
+        start_metrics_server(metrics.registry, host=settings.host, port=settings.metrics_port)
+    register_push_task(app, push_runner(settings, db, metrics=metrics))
     install_heartbeat(app, settings.hub_heartbeat_file)
     log.info("hub worker consuming %s on %s", app.conf.task_default_queue, broker_url(settings).split("@")[-1])
     worker = app.Worker(pool="threads", concurrency=concurrency, loglevel="INFO",

@@ -24,11 +24,13 @@ import redis
 
 from deploy.embedded import _scheduler as embedded_scheduler
 from deploy.embedded import loop_config
+from deploy.metrics_wiring import placement_replicas
 from deploy.settings import ClusterSettings
 from services.control.recording import DatabaseCompletionHook
 from services.db import Database
 from services.jobqueue.redis_queue import RedisWorkQueue
 from services.jobqueue.redis_results import RedisNotifier, RedisResultStore
+from services.metrics import ProcessMetrics
 from services.runtime import SchedulerLoop
 from services.runtime.journal import RedisJournal, RedisPlacement
 from services.runtime.recovery import (
@@ -54,7 +56,7 @@ class SchedulerService:
     """Stand by, lead while holding the lease, repeat until stopped. `run` blocks; `start` uses a thread."""
 
     def __init__(self, settings: ClusterSettings, base_model: str, client: redis.Redis, db: Database,
-                 holder: str) -> None:
+                 holder: str, metrics: ProcessMetrics | None = None) -> None:
         self.settings = settings
         self.base_model = base_model
         self.keys = ClusterKeys(base_model, settings.redis_prefix)
@@ -68,6 +70,10 @@ class SchedulerService:
         self._thread: threading.Thread | None = None
         self.lease = SchedulerLease(client, self.keys, holder, ttl_s=settings.scheduler_lease_seconds,
                                     on_lost=self._lost.set)
+        # The process's series (shared when `cluster up` runs several schedulers and the gateway together).
+        self.metrics = metrics or ProcessMetrics.create(per_tenant=settings.metrics_per_tenant)
+        self.metrics.add_replicas(placement_replicas(base_model, self._placement))
+        self._series = self.metrics.runtime.for_model(base_model)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name=f"scheduler-service:{self.base_model}", daemon=True)
@@ -82,10 +88,16 @@ class SchedulerService:
         log.info("%s: scheduler %s standing by for the lease", self.base_model, self.holder)
         while self.lease.acquire(self._stop):
             self._lost.clear()
+            self._series.lease(True)
             try:
                 self._lead()
             finally:
+                self._series.lease(False)
                 self.lease.release()
+
+    def _placement(self) -> dict[str, str] | None:
+        pool = self.pool
+        return pool.placement() if pool is not None and self.loop is not None else None
 
     def _lead(self) -> None:
         results = RedisResultStore(self._client, prefix=self.settings.redis_prefix)
@@ -116,7 +128,7 @@ class SchedulerService:
         queue = GuardedQueue(RedisWorkQueue(client, prefix=prefix, consumer=self.holder), client)
         loop = SchedulerLoop(self.base_model, pool, queue, results, RedisNotifier(client, prefix=prefix),
                              scheduler=RecoveringScheduler(positions, limits), hook=hook,
-                             config=loop_config(settings))
+                             config=loop_config(settings), metrics=self.metrics.runtime)
         return loop, pool
 
     def _publish_stats(self) -> None:

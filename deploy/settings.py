@@ -164,6 +164,9 @@ class ServiceSettings(BaseSettings):
         "Retries of a hub push after a transient failure (connection error, 5xx, 429), with exponential "
         "backoff; none after 401/403/404."))
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
+    metrics_per_tenant: bool = Field(False, description=(
+        "Export per-tenant series (carpool_tenant_*: tokens trained/sampled, requests) at /metrics. Off by "
+        "default: the tenant label's cardinality grows with the number of tenants."))
 
     @field_validator("base_models", mode="before")
     @classmethod
@@ -215,9 +218,6 @@ class ServiceSettings(BaseSettings):
     def models_dir(self) -> Path:
         return self.cache_dir or self.data_dir / "models"
 
-
-class ClusterSettings(ServiceSettings):
-    """Settings of the cluster processes (`carpool serve --mode cluster`, `scheduler`, `worker`, `cluster up`).
     @property
     def resolved_s3_cache_dir(self) -> Path:
         return self.s3_cache_dir or self.data_dir / "s3-cache"
@@ -226,6 +226,9 @@ class ClusterSettings(ServiceSettings):
     def hub_secret_path(self) -> Path:
         return self.data_dir / "secrets" / "hub-tokens.key"
 
+
+class ClusterSettings(ServiceSettings):
+    """Settings of the cluster processes (`carpool serve --mode cluster`, `scheduler`, `worker`, `cluster up`).
 
     Everything of `ServiceSettings` applies (limits, data dir for checkpoints); `database_url` must point at
     PostgreSQL shared by every process, and the data dir (checkpoints, snapshots) must be shared storage.

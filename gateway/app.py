@@ -14,21 +14,25 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
+from gateway.admin import AdminConsole, install_admin, make_templates
 from gateway.auth import Authenticator
 from gateway.deps import install_openapi
 from gateway.edge_limits import DecodePool, EdgeLimiter, EdgeLimitOptions
 from gateway.errors import install_error_handlers
-from gateway.middleware import EdgeMiddleware, RouteMetrics, render_runtime
+from gateway.middleware import EdgeMiddleware
 from gateway.rendering import SampleRenderCache
-from gateway.routes import futures, hub, rest, sampling, service, training, weights
+from gateway.routes import admin, custom_losses, futures, hub, projects, rest, sampling, service, training, weights
 from gateway.settings import GatewaySettings
 from services.auth.log_redaction import RedactApiKeysFilter
 from services.control.api import ControlPlane
+from services.db.database import Database
 from services.hub.service import HubPushService
+from services.metrics import CONTENT_TYPE, GatewayMetrics, ProcessMetrics, RuntimeStatsCollector, render
 
 API_VERSION = "0.1.0"
 REDACTED_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "gateway", "fastapi")
@@ -45,8 +49,15 @@ Errors are JSON: `{"detail": ..., "field": ...}`.
 
 
 def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authenticator, *,
-               hub_pushes: HubPushService | None = None) -> FastAPI:
-    """A ready gateway application over `control`, authenticating callers with `auth`."""
+               metrics: ProcessMetrics | None = None, hub_pushes: HubPushService | None = None,
+               admin_database: Database | None = None, pass_token_budget: int | None = None) -> FastAPI:
+    """A ready gateway application over `control`, authenticating callers with `auth`.
+
+    `metrics`: the process's Prometheus registry when the caller shares it with other components (the
+    embedded scheduler loops); by default the app gets a registry of its own. `admin_database`: serve the
+    operators' dashboard at `/admin` over it (unless `settings.admin_enabled` is off); `pass_token_budget`
+    is what its scheduler page measures passes against.
+    """
     app = FastAPI(
         title="Carpool",
         version=API_VERSION,
@@ -60,33 +71,48 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     app.state.control = control
     app.state.auth = auth
     app.state.hub = hub_pushes  # `/v1/hub_pushes` answers 503 without it
-    app.state.metrics = RouteMetrics()
+    process_metrics = metrics or ProcessMetrics.create()
+    app.state.process_metrics = process_metrics
+    app.state.metrics = GatewayMetrics(process_metrics.registry)
     app.state.sample_render = SampleRenderCache(settings.sample_render_cache_size)
+    app.state.decode_pool = DecodePool(settings.decode_threads)
     install_error_handlers(app)
     # Routers are matched in order, each scanning its routes, and no two share a path: the per-call hot
     # routes (retrieve_future, then forward_backward / optim_step) go first.
-    for module in (futures, training, service, weights, sampling):
+    for module in (futures, training, service, weights, sampling, custom_losses, projects, admin):
         app.include_router(module.router)
     app.include_router(rest.router)
     app.include_router(hub.router)
     if settings.metrics_enabled:
-        _add_metrics_route(app, app.state.metrics, control)
-    app.state.decode_pool = DecodePool(settings.decode_threads)
-    app.add_middleware(EdgeMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes)
+        _add_metrics_route(app, process_metrics, control)
+    app.add_middleware(EdgeMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes,
+                       limiter=EdgeLimiter(edge_limit_options(settings)))
+    if admin_database is not None and settings.admin_enabled:
+        _add_admin(app, settings, admin_database, process_metrics, pass_token_budget)
     install_openapi(app)
     install_key_redaction()
     return app
 
 
-def _add_metrics_route(app: FastAPI, metrics: RouteMetrics, control: ControlPlane) -> None:
-    runtime_stats = getattr(control, "runtime_stats", None)  # optional `RuntimeIntrospection`
+def _add_admin(app: FastAPI, settings: GatewaySettings, database: Database, metrics: ProcessMetrics,
+               pass_token_budget: int | None) -> None:
+    runtime_stats = getattr(app.state.control, "runtime_stats", None)
+    install_admin(app, AdminConsole(
+        database=database, auth=app.state.auth, metrics=metrics,
+        runtime_stats=runtime_stats if callable(runtime_stats) else list,
+        session_ttl=timedelta(minutes=settings.admin_session_minutes), page_size=settings.admin_page_size,
+        templates=make_templates(), pass_token_budget=pass_token_budget))
 
-    async def metrics_text() -> PlainTextResponse:
-        """Per-route request counters and latency histograms, plus the scheduler loops' counters."""
-        text = metrics.render()
-        if callable(runtime_stats):
-            text += render_runtime(runtime_stats())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+def _add_metrics_route(app: FastAPI, metrics: ProcessMetrics, control: ControlPlane) -> None:
+    runtime_stats = getattr(control, "runtime_stats", None)  # optional `RuntimeIntrospection`
+    if callable(runtime_stats):
+        metrics.registry.register(RuntimeStatsCollector(runtime_stats))
+
+    async def metrics_text() -> Response:
+        """This process's series (gateway, and in embedded mode the scheduler loops' and engines') plus the
+        active schedulers' counters, in the Prometheus text format."""
+        return Response(render(metrics.registry), media_type=CONTENT_TYPE)
 
     app.add_api_route("/metrics", metrics_text, methods=["GET"], tags=["ops"], include_in_schema=False)
 

@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.routing import BaseRoute
 
-from gateway.auth import API_KEY_HEADER, Authenticator, CredentialError, credential_from_headers
+from gateway.auth import API_KEY_HEADER, JWT_PREFIX, Authenticator, CredentialError, credential_from_headers
 from gateway.rendering import SampleRenderCache
 from gateway.settings import GatewaySettings
 from services.auth.tenants import Tenant
@@ -70,9 +70,24 @@ async def current_tenant(
     auth: Auth,
 ) -> Tenant:
     """The authenticated caller; 401 (JSON, naming the header) for a missing, unknown or revoked key."""
-    key = credential_from_headers(request.headers)
-    tenant = await auth.authenticate(key)
+    metrics = request.app.state.metrics
+    try:
+        key = credential_from_headers(request.headers)
+    except CredentialError:
+        present = API_KEY_HEADER in request.headers or "authorization" in request.headers
+        metrics.auth_failed("malformed" if present else "missing")
+        raise
+    if key.startswith(JWT_PREFIX):
+        # A JWT from `auth/token`: signature, expiry, and its API key still live (services/control/jwt_tokens.py).
+        request.state.credential_kind = "jwt"
+        tenant = await request.app.state.control.authenticate_token(key)
+        if tenant is None:
+            metrics.auth_failed("rejected")
+            raise CredentialError("invalid JWT: expired, or its API key was revoked", invalid_token=True)
+    else:
+        tenant = await auth.authenticate(key)
     if tenant is None:
+        metrics.auth_failed("rejected")
         raise CredentialError("invalid API key: unknown, revoked, or its tenant is disabled")
     request.state.tenant_id = tenant.id
     return tenant

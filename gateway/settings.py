@@ -104,6 +104,16 @@ class GatewaySettings(BaseSettings):
     metrics_enabled: bool = Field(
         default=True, description="Serve per-route request counters and latency histograms at `/metrics`."
     )
+    admin_enabled: bool = Field(
+        default=True, description="Serve the operators' web dashboard at `/admin` (log in with an admin API key)."
+    )
+    admin_session_minutes: int = Field(
+        default=480, ge=1, le=7 * 24 * 60,
+        description="Lifetime of a dashboard login; it also ends at logout or when its API key is revoked.",
+    )
+    admin_page_size: int = Field(
+        default=50, ge=5, le=500, description="Rows per page of the dashboard's listings (paged on the server)."
+    )
 
     # -- authentication ---------------------------------------------------------------------------
     auth_cache_seconds: float = Field(
@@ -150,6 +160,11 @@ class GatewaySettings(BaseSettings):
     )
     sample_cancel_enabled: bool = Field(
         default=False, description="Let SDK clients send `cancel_future` for abandoned samples."
+    )
+    jwt_auth_enabled: bool = Field(
+        default=False,
+        description="Tell SDK clients to use JWT mode (`pjwt_auth_enabled`): they exchange their API key at "
+                    "`auth/token` for short-lived JWTs and send those. `auth/token` is served either way.",
     )
 
     @model_validator(mode="after")

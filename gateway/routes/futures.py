@@ -1,4 +1,4 @@
-"""Futures of the Tinker API: retrieve_future (long-poll), retrieve_futures, cancel_future.
+"""Futures of the Tinker API: retrieve_future (long-poll), retrieve_futures (batched), cancel_future.
 
 `retrieve_future` holds the request up to `long_poll_seconds` (the SDK re-polls *immediately* on
 `try_again`, and its read timeout is 45 s; each hold is cut short by a random 0-20 % so that polls opened
@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from gateway.deps import Control, CurrentTenant, RawBody, RenderCache, SettingsDep, documents_body, parse_body
-from gateway.errors import unsupported
 from gateway.rendering import (
     failed_payload,
     safe_result_payload,
@@ -28,9 +27,9 @@ from gateway.rendering import (
     wire_json,
 )
 from services.control.api import Done, Failed, Pending
-from services.db.ids import RequestId
+from services.db.ids import RequestId, SamplingSessionId
 from services.wire.control import CancelFutureRequest, FutureRetrieveRequest, FuturesRetrieveRequest
-from services.wire.responses import TryAgainResponse
+from services.wire.responses import FutureFailed, FutureFinished, FuturesRetrieveResponse, TryAgainResponse
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])
 
@@ -61,7 +60,8 @@ async def retrieve_future(
     """Long-poll one future (answers `TryAgainResponse`, `RequestFailedResponse`, or the result)."""
     poll = parse_body(FutureRetrieveRequest, body)
     hold = settings.long_poll_seconds * (1.0 - LONG_POLL_JITTER * random.random())
-    state = await control.retrieve(tenant, RequestId(poll.request_id), hold)
+    with request.app.state.metrics.long_polls.track_inprogress():
+        state = await control.retrieve(tenant, RequestId(poll.request_id), hold)
     if isinstance(state, Pending):
         return wire_json(try_again(poll.request_id, state))
     if isinstance(state, Failed):
@@ -71,12 +71,22 @@ async def retrieve_future(
     return tinker_result_response(payload, protobuf=wants_protobuf(request.headers.get("accept")))
 
 
-@router.post("/retrieve_futures")
+@router.post("/retrieve_futures", response_model=FuturesRetrieveResponse)
 @documents_body(FuturesRetrieveRequest)
-async def retrieve_futures(_: CurrentTenant, body: RawBody) -> JSONResponse:
-    """Not served: `client/config` leaves `sample_use_retrieve_futures` off, so the SDK polls one by one."""
-    parse_body(FuturesRetrieveRequest, body)
-    raise unsupported("retrieve_futures", "poll each request with retrieve_future")
+async def retrieve_futures(tenant: CurrentTenant, control: Control, settings: SettingsDep,
+                           body: RawBody) -> JSONResponse:
+    """The batched poller of a sampling client: the target's requests finished since `prev_cursor` (held up
+    to `long_poll_seconds` while there are none; `timeout: 0` answers at once). The cursor stays put when
+    nothing new finished. The SDK then fetches each payload with `retrieve_future`."""
+    poll = parse_body(FuturesRetrieveRequest, body)
+    hold = settings.long_poll_seconds if poll.timeout is None else min(poll.timeout, settings.long_poll_seconds)
+    page = await control.retrieve_futures(tenant, SamplingSessionId(poll.target.sampling_session_id),
+                                          poll.target.cloned_sampler_id, poll.prev_cursor, hold)
+    completions: list[FutureFinished | FutureFailed] = [
+        FutureFailed(request_id=c.request_id) if c.failed else FutureFinished(request_id=c.request_id)
+        for c in page.completions
+    ]
+    return wire_json(FuturesRetrieveResponse(completions=completions, cursor=page.cursor))
 
 
 class CancelledFuture(BaseModel):

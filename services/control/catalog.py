@@ -19,6 +19,7 @@ from services.control.api import CheckpointView, Invalid, NotFound, Page, Signed
 from services.control.context import ControlContext, count_checkpoints, count_training_runs, not_found
 from services.control.models import lora_spec_of, parse_path, readable_checkpoint
 from services.control.samplers import checkpoint_version
+from services.db.audit import record_audit
 from services.db.checkpoints import (
     checkpoint_storage_bytes,
     delete_checkpoint,
@@ -90,7 +91,16 @@ class CatalogOps:
 
     async def delete_checkpoint(self, tenant: Tenant, tinker_path: str) -> None:
         parsed = parse_path(tinker_path)
-        row = await self._ctx.tx(lambda db: delete_checkpoint(db, TenantId(tenant.id), parsed.uri))
+
+        def tx(db: Session) -> CheckpointRow | None:
+            deleted = delete_checkpoint(db, TenantId(tenant.id), parsed.uri)
+            if deleted is not None:  # the operators' audit log records deletions (same transaction)
+                record_audit(db, action="checkpoint.delete", target_type="checkpoint", target_id=parsed.uri,
+                             actor_tenant_id=tenant.id, actor_key_prefix=None, tenant_id=tenant.id,
+                             detail={"size_bytes": deleted.size_bytes})
+            return deleted
+
+        row = await self._ctx.tx(tx)
         if row is None:
             raise NotFound(not_found("checkpoint", parsed.uri), field="path")
         self._ctx.store.delete(row.storage_uri)

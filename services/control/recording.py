@@ -34,7 +34,7 @@ from services.db.ids import ModelId, RequestId, TenantId
 from services.db.request_log import mark_request_done, mark_request_failed, mark_request_running
 from services.db.usage import record_usage
 from services.domain.sampling import SampleResult
-from services.domain.training import WorkError
+from services.domain.training import ForwardBackwardResult, WorkError
 from services.runtime.commands import CheckpointRecord, ForwardBackward, Save
 from services.scheduler.requests import Completion, QueuedRequest
 
@@ -84,7 +84,9 @@ class DatabaseCompletionHook:
                                 pass_id=pass_id, started_at=started_at)
             return completion
         tokens = _tokens(request, result)
-        mark_request_done(db, tenant_id, request_id, num_tokens=tokens, pass_id=pass_id, started_at=started_at)
+        loss = result.metrics.get("loss:sum") if isinstance(result, ForwardBackwardResult) else None
+        mark_request_done(db, tenant_id, request_id, num_tokens=tokens, pass_id=pass_id, started_at=started_at,
+                          loss=loss)
         record_usage(db, tenant_id, request.kind.value, tokens=tokens)
         return completion
 

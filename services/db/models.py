@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -83,12 +85,12 @@ class TenantRow(Base):
     max_models: Mapped[int | None] = mapped_column(Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
-
-
     max_checkpoints: Mapped[int | None] = mapped_column(Integer)
     max_checkpoint_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_sessions: Mapped[int | None] = mapped_column(Integer)
     max_sampling_sessions: Mapped[int | None] = mapped_column(Integer)
+
+
 class ApiKeyRow(Base):
     """An API key, stored only as a hash; `prefix` is the non-secret head shown in listings."""
 
@@ -150,6 +152,8 @@ class SamplingSessionRow(Base):
     base_model: Mapped[str] = mapped_column(String(200))
     model_path: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+    joined_clients: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Clients that joined this session (`join_sampling_session`); the next joiner gets this + 1."""
 
 
 class RequestRow(Base):
@@ -161,6 +165,7 @@ class RequestRow(Base):
     __table_args__ = (
         UniqueConstraint("model_id", "seq_id"),
         Index(None, "tenant_id", "created_at"),
+        Index(None, "sampling_session_id", "finished_at"),  # retrieve_futures: a session's completions
         _one_of("status", REQUEST_STATUSES),
     )
 
@@ -182,6 +187,10 @@ class RequestRow(Base):
     num_tokens: Mapped[int | None] = mapped_column(Integer)
     pass_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), index=True)
     """The packed pass that served this request, to join request logs with pass metrics."""
+    loss: Mapped[float | None] = mapped_column(Float)
+    """A forward(/backward)'s `loss:sum`, for the dashboard's loss curves (metadata, not payload)."""
+    record_stability: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """A sample request sent with `record_stability_info`: `stable_reinforce` may read its logprobs."""
 
 
 class CheckpointRow(Base):
@@ -240,15 +249,6 @@ class HubPushRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
-
-
-class AuditLogRow(Base):
-    """One operator action (key created/revoked, quota changed, tenant disabled, ...), CLI and dashboard alike.
-
-    Append-only. `actor_*` name who acted (NULL tenant: the CLI, run with database access rather than a
-    key); `tenant_id` is the tenant affected, kept without a foreign key so the record outlives the tenant.
-    """
-
     # Issue 11 (migration 0004): what to push to, and what the hub answered.
     revision: Mapped[str | None] = mapped_column(String(256))
     """The branch to commit to (None: the repo's default branch)."""
@@ -272,6 +272,15 @@ class HubCredentialRow(Base):
     token_ciphertext: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
+
+
+class AuditLogRow(Base):
+    """One operator action (key created/revoked, quota changed, tenant disabled, ...), CLI and dashboard alike.
+
+    Append-only. `actor_*` name who acted (NULL tenant: the CLI, run with database access rather than a
+    key); `tenant_id` is the tenant affected, kept without a foreign key so the record outlives the tenant.
+    """
+
     __tablename__ = "audit_log"
     __table_args__ = (Index(None, "tenant_id", "id"),)
 
@@ -308,6 +317,22 @@ class AdminSessionRow(Base):
 # Indexes for the operators' dashboard (migration 0005): its cross-tenant pages list newest first, and
 # without these each page is a sort of the whole table (seconds at a few hundred thousand requests).
 Index("ix_requests_created_at", RequestRow.created_at)
-Index("ix_training_runs_last_request_at", TrainingRunRow.last_request_at)
+Index("ix_training_runs_created_at", TrainingRunRow.created_at)
 Index("ix_checkpoints_created_at", CheckpointRow.created_at)
 Index("ix_usage_bucket_start", UsageRow.bucket_start)
+
+
+class CustomLossRow(Base):
+    """A server-side custom loss (`create_custom_loss`): the checked graph as data, owned by one session."""
+
+    __tablename__ = "custom_losses"
+    __table_args__ = (UniqueConstraint("session_id", "seq"),)
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    tenant_id: Mapped[TenantId] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[SessionId] = mapped_column(ForeignKey("sessions.id"))
+    seq: Mapped[int] = mapped_column(Integer)
+    """The SDK's `custom_loss_seq_id` (a retry repeats it)."""
+    name: Mapped[str] = mapped_column(String(200))
+    program: Mapped[dict[str, Any]] = mapped_column(JSON_DOCUMENT)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)

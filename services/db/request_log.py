@@ -141,10 +141,13 @@ def mark_request_done(
     pass_id: str | None = None,
     started_at: datetime | None = None,
     now: datetime | None = None,
+    loss: float | None = None,
 ) -> bool:
     """queued|running → done (a request may finish without a separate running report; `started_at` then
-    records when it started, unless a running report already did)."""
+    records when it started, unless a running report already did). `loss`: a training pass's `loss:sum`."""
     values: dict[str, object] = {"status": "done", "finished_at": now or utcnow(), "num_tokens": num_tokens}
+    if loss is not None:
+        values["loss"] = loss
     _set_run_info(values, pass_id, started_at)
     # A running report's start time, if there was one, stays: it is the more precise of the two.
     return _transition(db, tenant_id, request_id, UNFINISHED, values, keep_existing=("started_at",))

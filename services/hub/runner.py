@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,8 +69,11 @@ class PushRunner:
 
     def __init__(self, db: Database, store: CheckpointStore, clients: Mapping[HubTarget, HubClient],
                  cipher: TokenCipher, *, operator_tokens: Mapping[HubTarget, str] | None = None,
-                 max_retries: int = 4, backoff_s: float = 2.0, scratch_dir: Path | None = None) -> None:
+                 max_retries: int = 4, backoff_s: float = 2.0, scratch_dir: Path | None = None,
+                 on_finished: Callable[[str, str], None] | None = None) -> None:
         self._db = db
+        self._on_finished = on_finished or (lambda hub, outcome: None)
+        """(hub, done|failed) of each finished push: the process's `carpool_hub_pushes_total`."""
         self._store = store
         self._clients = clients
         self._cipher = cipher
@@ -102,6 +105,7 @@ class PushRunner:
         with self._db.sessions.begin() as db:
             finish_hub_push(db, job.push_id, "done", hub_revision=result.revision, url=result.url)
         log.info("hub push %s done: %s (%s)", push_id, result.url, "new commit" if result.created else "existing")
+        self._on_finished(job.target, "done")
         return Finished("done")
 
     # -- steps ------------------------------------------------------------------------------------
@@ -157,6 +161,7 @@ class PushRunner:
         with self._db.sessions.begin() as db:
             finish_hub_push(db, job.push_id, "failed", error=message)
         log.warning("hub push %s failed: %s", job.push_id, message)
+        self._on_finished(job.target, "failed")
         return Finished("failed")
 
     def fail_exhausted(self, push_id: int, error: str) -> None:

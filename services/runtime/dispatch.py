@@ -64,7 +64,7 @@ class Dispatcher:
             raise TypeError(f"{kind} request carries {type(command).__name__}, not a command")
         started = time.perf_counter()
         outcome = command.run(self._backend)
-        self._counters.record_barrier(time.perf_counter() - started)
+        self._counters.record_barrier(time.perf_counter() - started, item.request.kind.value)
         log.debug("%s: %s of %s done", self._base_model, type(command).__name__, item.request.model_id)
         return [outcome]
 
@@ -81,7 +81,7 @@ class Dispatcher:
                           item.item_id, len(works))
             return self._one_by_one(item)
         seconds = time.perf_counter() - started
-        rate = self._counters.record_pass(item.num_tokens, len(item.tenants), seconds)
+        rate = self._counters.record_pass(item.num_tokens, len(item.tenants), seconds, len(item.segments))
         log.info(
             "%s pass %s: %d requests, %d tokens, %d tenants, %d adapters, %.1f ms, %.0f tokens/s",
             self._base_model, item.item_id, len(works), item.num_tokens, len(item.tenants),
@@ -107,8 +107,8 @@ class Dispatcher:
         started = time.perf_counter()
         results = self._backend.sample(works)
         seconds = time.perf_counter() - started
-        self._counters.record_sample_batch(seconds)
         generated = sum(len(s.tokens) for r in results if isinstance(r, SampleResult) for s in r.sequences)
+        self._counters.record_sample_batch(seconds, generated)
         log.info("%s sample batch %s: %d requests, %d tokens generated, %.1f ms",
                  self._base_model, item.item_id, len(works), generated, seconds * 1000)
         return results

@@ -30,6 +30,7 @@ from services.jobqueue.protocol import (
     StoredResult,
     WorkQueue,
 )
+from services.metrics.runtime import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
 from services.scheduler.requests import Completion, PlanItem, RequestId, RequestKind
@@ -67,6 +68,7 @@ class SchedulerLoop:
         scheduler: Scheduler | None = None,
         hook: CompletionHook | None = None,
         config: LoopConfig | None = None,
+        metrics: RuntimeMetrics | None = None,
     ) -> None:
         self.base_model = base_model
         self._queue = queue
@@ -75,7 +77,8 @@ class SchedulerLoop:
         self._scheduler = scheduler or Scheduler()
         self._hook = hook or NullCompletionHook()
         self._config = config or LoopConfig()
-        self._counters = LoopCounters(base_model)
+        # `metrics`: the process's series (registered on its /metrics); None keeps them private to the loop.
+        self._counters = LoopCounters(base_model, metrics.for_model(base_model) if metrics else None)
         self._dispatcher = Dispatcher(backend, self._counters, base_model)
         self._deliveries: dict[RequestId, list[str]] = {}
         self._stop = threading.Event()
@@ -179,6 +182,7 @@ class SchedulerLoop:
         self._deliver(self._scheduler.complete(item, results), pass_id)
 
     def _notify_started(self, item: PlanItem, pass_id: str) -> None:
+        self._counters.record_started(item.requests)
         try:
             self._hook.started(item.requests, pass_id)
         except Exception:  # noqa: BLE001 - bookkeeping must not stop the work

@@ -6,7 +6,9 @@ replace a completion's result (a save whose checkpoint row cannot be written fai
 the client at a checkpoint nobody can find).
 
 `LoopCounters` are written by the loop thread and read from any thread (gateway metrics, healthz): every
-access holds a lock and readers get an immutable `RuntimeStats` snapshot.
+access holds a lock and readers get an immutable `RuntimeStats` snapshot. They also feed the base model's
+Prometheus series (`services.metrics.ModelSeries`: histograms of queue wait, pass size and duration),
+registered on the process registry when the composition root passes one, private otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from services.control.api import RuntimeStats
+from services.domain.sampling import SampleResult
+from services.domain.training import WorkError
+from services.metrics.runtime import ModelSeries, RuntimeMetrics
 from services.scheduler.requests import Completion, QueuedRequest, SchedulerStats
 
 
@@ -45,8 +50,9 @@ class NullCompletionHook:
 class LoopCounters:
     """Totals since the loop was built; thread-safe."""
 
-    def __init__(self, base_model: str) -> None:
+    def __init__(self, base_model: str, series: ModelSeries | None = None) -> None:
         self._base_model = base_model
+        self.series = series or RuntimeMetrics(None).for_model(base_model)
         self._lock = threading.Lock()
         self._passes = 0
         self._multi_tenant_passes = 0
@@ -60,9 +66,14 @@ class LoopCounters:
         self._busy_s = 0.0
         self._queued = 0
 
-    def record_pass(self, tokens: int, tenants: int, seconds: float) -> float:
+    def record_started(self, requests: Sequence[QueuedRequest]) -> None:
+        """Requests start running: their queue wait is over."""
+        self.series.started((r.kind.value, r.enqueued_at) for r in requests)
+
+    def record_pass(self, tokens: int, tenants: int, seconds: float, adapters: int = 0) -> float:
         """Count one packed pass; returns its tokens per second."""
         rate = tokens / seconds if seconds > 0 else 0.0
+        self.series.packed_pass(tokens=tokens, adapters=adapters, tenants=tenants, seconds=seconds)
         with self._lock:
             self._passes += 1
             self._tenants_total += tenants
@@ -72,18 +83,26 @@ class LoopCounters:
             self._busy_s += seconds
         return rate
 
-    def record_barrier(self, seconds: float) -> None:
+    def record_barrier(self, seconds: float, kind: str = "barrier") -> None:
+        self.series.barrier(kind)
         with self._lock:
             self._barriers += 1
             self._busy_s += seconds
 
-    def record_sample_batch(self, seconds: float) -> None:
+    def record_sample_batch(self, seconds: float, tokens: int = 0) -> None:
+        self.series.sampled(tokens)
         with self._lock:
             self._sample_batches += 1
             self._busy_s += seconds
 
     def record_completions(self, completions: Sequence[Completion]) -> None:
         failed = sum(c.is_error for c in completions)
+        for c in completions:
+            result = c.result
+            category = result.category if isinstance(result, WorkError) else None
+            tokens = (sum(len(s.tokens) for s in result.sequences) if isinstance(result, SampleResult)
+                      else c.request.num_tokens)
+            self.series.finished(c.request.tenant_id, c.request.kind.value, category, tokens)
         with self._lock:
             self._completed += len(completions) - failed
             self._failed += failed
@@ -92,6 +111,7 @@ class LoopCounters:
         """Take the scheduler's gauges (only the loop thread may ask the scheduler)."""
         with self._lock:
             self._queued = queue_depth + sum(stats.queued_by_tenant.values())
+        self.series.queue(self._queued)
 
     def snapshot(self, running: bool) -> RuntimeStats:
         with self._lock:

@@ -58,8 +58,8 @@ PLANS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("carpool-mt"), e2e_model_dir,
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp(f"carpool-mt-{e2e_mode}"), e2e_model_dir, mode=e2e_mode,
                        extra_env={"CARPOOL_BATCH_WINDOW_MS": "100"})
     try:
         yield srv
@@ -107,7 +107,7 @@ def _train(client: tinker.TrainingClient, plan: TenantPlan, run: Run, barrier: t
 
 def _multi_tenant_passes(server: Server) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    match = re.search(r"^carpool_runtime_multi_tenant_passes\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
+    match = re.search(r"^carpool_runtime_multi_tenant_passes_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
     assert match, text[:2000]
     return float(match.group(1))
 

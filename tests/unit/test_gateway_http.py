@@ -65,7 +65,8 @@ class RecordingControl:
 
         async def call(*args: Any, **kwargs: Any) -> None:
             self.calls.append((name, args[1:], kwargs))  # drop the tenant
-            if name not in ("reject_seq_id", "get_info"):  # get_info: forward_backward's ownership check
+            # get_info: forward_backward's ownership check; authenticate_token: an unknown JWT (None)
+            if name not in ("reject_seq_id", "get_info", "authenticate_token"):
                 raise self.error
 
         return call
@@ -215,10 +216,10 @@ def test_bad_zstd_is_400(client: TestClient) -> None:
 
 
 def test_unknown_loss_is_400_and_consumes_the_seq_id(client: TestClient, control: RecordingControl) -> None:
-    response = client.post("/api/v1/forward_backward", content=fwdbwd_proto("gspo", seq_id=7), headers=PROTO)
+    response = client.post("/api/v1/forward_backward", content=fwdbwd_proto("fancy_loss", seq_id=7), headers=PROTO)
     assert response.status_code == 400 and response.json()["field"] == "loss_fn"
     [(args, _)] = control.called("reject_seq_id")
-    assert args[:2] == ("sess-x:train:0", 7) and "gspo" in args[2]
+    assert args[:2] == ("sess-x:train:0", 7) and "fancy_loss" in args[2]
 
 
 def test_zstd_protobuf_reaches_the_control_plane(client: TestClient, control: RecordingControl) -> None:
@@ -334,14 +335,27 @@ def test_unexpected_errors_are_a_json_500_without_internals(caplog: pytest.LogCa
 
 
 @pytest.mark.parametrize(
-    ("method", "url"),
-    [("POST", "/api/v1/auth/token"), ("POST", "/api/v1/retrieve_futures"), ("GET", "/api/v1/audit"),
-     ("POST", "/api/v1/sessions/search"), ("GET", "/api/v1/billing/usage/events")],
+    ("method", "url", "body", "operation"),
+    [("GET", "/api/v1/audit", None, "audit_log"), ("POST", "/api/v1/sessions/search", {}, "search_sessions"),
+     ("POST", "/api/v1/retrieve_futures", {"target": {"sampling_session_id": "s:sample:0"}}, "retrieve_futures"),
+     ("PUT", "/api/v1/sessions/s/project", {"project_id": "p"}, "assign_session_project"),
+     ("POST", "/api/v1/copy_weights", {"source_path": "tinker://s:train:0/weights/a", "destination_project_id": "p"},
+      "copy_weights"),
+     ("POST", "/api/v1/join_sampling_session", {"sampling_session_id": "s:sample:0"}, "join_sampling_session")],
 )
-def test_unsupported_endpoints_are_a_clear_404(client: TestClient, method: str, url: str) -> None:
-    body = {"target": {"sampling_session_id": "s:sample:0"}} if url.endswith("retrieve_futures") else {}
+def test_formerly_unsupported_endpoints_reach_the_control_plane(
+    client: TestClient, control: RecordingControl, method: str, url: str, body: object, operation: str
+) -> None:
+    """No SDK endpoint answers "not supported" any more: each reaches its control-plane operation (the
+    double answers NotFound)."""
     response = client.request(method, url, json=body, headers=AUTH)
-    assert response.status_code == 404 and "not supported" in response.json()["detail"]
+    assert response.status_code == 404 and "not supported" not in response.text, response.text
+    assert control.called(operation)
+
+
+def test_billing_window_parameters_are_required(client: TestClient) -> None:
+    response = client.get("/api/v1/billing/usage/events", headers=AUTH)
+    assert response.status_code == 400 and response.json()["field"] == "query.starting_on"
 
 
 def test_unknown_routes_and_methods_answer_json(client: TestClient) -> None:
@@ -374,7 +388,7 @@ def test_metrics_count_by_route_template(client: TestClient) -> None:
     client.get("/api/v1/samplers/b:sample:1", headers=AUTH)
     text = client.get("/metrics").text
     assert ('carpool_http_requests_total{method="GET",route="/api/v1/samplers/{sampler_id:path}",'
-            'status="404"} 2') in text
+            'status="404"} 2.0') in text
     assert "carpool_http_request_duration_seconds_bucket" in text
 
 
