@@ -7,7 +7,8 @@ caller authenticated with. `DatabaseAuthenticator` implements it over `services.
 `services.db.Database`, running the (synchronous) SQLAlchemy work in a thread and caching successful
 lookups for a few seconds so long-polls and chunked forward_backward calls do not each hit the database.
 
-Credentials arrive as `X-API-Key: tml-...` (the SDK) or `Authorization: Bearer tml-...` (REST clients).
+Credentials arrive as `X-API-Key: tml-...` (the SDK) or `Authorization: Bearer tml-...` (REST clients), or
+as a JWT (`eyJ...`) that `auth/token` minted from such a key (the SDK's JWT mode).
 Keys are never logged: errors name the header, not its value.
 """
 
@@ -46,9 +47,11 @@ class Authenticator(Protocol):
 class CredentialError(Exception):
     """A request without a usable credential; answered 401 with `message`."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, invalid_token: bool = False) -> None:
         super().__init__(message)
         self.message = message
+        self.invalid_token = invalid_token
+        """A JWT that no longer works (expired, or its key revoked): the SDK exchanges its key again."""
 
 
 def credential_from_headers(headers: Mapping[str, str]) -> str:
@@ -64,9 +67,7 @@ def credential_from_headers(headers: Mapping[str, str]) -> str:
         raise CredentialError(
             f"missing API key: send '{API_KEY_HEADER}: {KEY_PREFIX}...' or 'Authorization: Bearer {KEY_PREFIX}...'"
         )
-    if key.startswith(JWT_PREFIX):
-        raise CredentialError("JWT credentials are not accepted by this server (JWT exchange is off); use an API key")
-    return key
+    return key  # an API key, or a JWT from `auth/token` (`JWT_PREFIX`; checked by the control plane)
 
 
 @dataclass(frozen=True)

@@ -101,8 +101,9 @@ async def _control_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _credential_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CredentialError)
-    # No `error="invalid_token"`: that would make the SDK try a JWT refresh.
-    return error_response(401, exc.message, field=API_KEY_HEADER, headers={"WWW-Authenticate": "Bearer"})
+    # `error="invalid_token"` only for a dead JWT: it makes the SDK exchange its key for a new one.
+    challenge = 'Bearer error="invalid_token"' if exc.invalid_token else "Bearer"
+    return error_response(401, exc.message, field=API_KEY_HEADER, headers={"WWW-Authenticate": challenge})
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -29,6 +29,7 @@ from services.control.api import (
     SamplerRef,
     WeightsLoaded,
 )
+from services.control.surface_views import CustomLossCreated
 from services.domain.sampling import SampleResult
 from services.domain.training import ForwardBackwardResult, OptimStepResult
 from services.wire import (
@@ -42,6 +43,7 @@ from services.wire import (
     sample_response,
 )
 from services.wire.responses import (
+    CreateCustomLossResponse,
     CreateModelResponse,
     LoadWeightsResponse,
     RequestFailedResponse,
@@ -140,6 +142,8 @@ def _model_payload(kind: str, result: object) -> BaseModel | None:
         return SaveWeightsForSamplerResponseInternal(sampling_session_id=result.sampling_session_id)
     if isinstance(result, CheckpointRef):
         return _checkpoint_payload(kind, result)
+    if isinstance(result, CustomLossCreated) and kind == "create_custom_loss":
+        return CreateCustomLossResponse(loss_id=result.loss_id)
     return None
 
 

@@ -20,8 +20,8 @@ from services.wire.admin import (
     BillingEventInfo,
     BillingUsageEvent,
     BillingUsageResponse,
-    StorageUsageItem,
-    StorageUsageResponse,
+    CurrentCheckpointStorageUsageItem,
+    CurrentCheckpointStorageUsageResponse,
 )
 from services.wire.errors import WireError
 
@@ -61,15 +61,16 @@ async def billing_usage_events(tenant: CurrentTenant, control: Control, starting
     return wire_json(BillingUsageResponse(data=data))
 
 
-@router.get("/billing/usage/checkpoints/current", response_model=StorageUsageResponse)
+@router.get("/billing/usage/checkpoints/current", response_model=CurrentCheckpointStorageUsageResponse)
 async def billing_checkpoint_usage(tenant: CurrentTenant, control: Control,
                                    project_id: str | None = None) -> JSONResponse:
     """Checkpoints stored now, by project and owner."""
     items = await control.checkpoint_storage(tenant, project_id)
-    return wire_json(StorageUsageResponse(data=[
-        StorageUsageItem(project_id=i.project_id, org_user_urn=f"tml:user:{i.owner}", user_name=i.owner,
-                         checkpoint_count=i.checkpoint_count, size_bytes=i.size_bytes,
-                         size_gigabytes=i.size_bytes / GIGABYTE) for i in items
+    return wire_json(CurrentCheckpointStorageUsageResponse(data=[
+        CurrentCheckpointStorageUsageItem(
+            project_id=i.project_id, org_user_urn=f"tml:user:{i.owner}", user_name=i.owner,
+            checkpoint_count=i.checkpoint_count, size_bytes=i.size_bytes, size_gigabytes=i.size_bytes / GIGABYTE,
+        ) for i in items
     ]))
 
 

@@ -14,12 +14,16 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from gateway.deps import Control, CurrentTenant, RawBody, RenderCache, SettingsDep, documents_body, parse_body
-from gateway.errors import unsupported
 from gateway.rendering import SampleRenderOptions, wire_json
 from services.db.ids import SamplingSessionId, SessionId
 from services.wire import WireError, sample_work
 from services.wire.requests import CreateSamplingSessionRequest, JoinSamplingSessionRequest, SampleRequest
-from services.wire.responses import CreateSamplingSessionResponse, GetSamplerResponse, UntypedAPIFuture
+from services.wire.responses import (
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
+    JoinSamplingSessionResponse,
+    UntypedAPIFuture,
+)
 
 router = APIRouter(prefix="/api/v1", tags=["sampling"])
 
@@ -46,10 +50,11 @@ async def get_sampler(sampler_id: str, tenant: CurrentTenant, control: Control) 
 @router.post("/join_sampling_session")
 @documents_body(JoinSamplingSessionRequest)
 async def join_sampling_session(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
-    """Not served (`client/config` leaves `sample_join_sampling_session` off, so the SDK never calls it)."""
+    """An unpickled `SamplingClient` joins its sampling session: a fresh clone id (its seq ids then start at
+    `clone * 10**9`, and `retrieve_futures` polls that clone alone)."""
     request = parse_body(JoinSamplingSessionRequest, body)
-    await control.get_sampler(tenant, SamplingSessionId(request.sampling_session_id))
-    raise unsupported("join_sampling_session", "unpickled SamplingClients reuse the session directly")
+    counter = await control.join_sampling_session(tenant, SamplingSessionId(request.sampling_session_id))
+    return wire_json(JoinSamplingSessionResponse(client_counter=counter))
 
 
 @router.post("/asample", response_model=UntypedAPIFuture)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.deps import Control, CurrentTenant, RawBody, SettingsDep, documents_body, parse_body
-from gateway.errors import SeqIdGuard, unsupported
+from gateway.errors import SeqIdGuard
 from gateway.rendering import wire_json
 from gateway.settings import GatewaySettings
 from services.db.ids import ModelId, SessionId
@@ -143,7 +143,7 @@ def require_seq_id(seq_id: int | None) -> int:
 @router.post("/unload_model", response_model=UntypedAPIFuture)
 @documents_body(UnloadModelRequest)
 async def unload_model(tenant: CurrentTenant, control: Control, body: RawBody) -> JSONResponse:
-    """Not served: SDK 0.38 never calls it; idle adapters are spilled from the device automatically."""
+    """Free a model's adapter after its queued requests (its checkpoints stay); result: `UnloadModelResponse`."""
     request = parse_body(UnloadModelRequest, body)
-    await control.get_info(tenant, ModelId(request.model_id))  # an unknown model is still a 404
-    raise unsupported("unload_model", "idle adapters are unloaded automatically")
+    submitted = await control.unload_model(tenant, ModelId(request.model_id))
+    return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=request.model_id))

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from gateway.deps import Control, CurrentTenant, PublicBaseUrl, RawBody, documents_body, parse_body
-from gateway.errors import ApiError, SeqIdGuard, unsupported
+from gateway.deps import Auth, Control, CurrentTenant, PublicBaseUrl, RawBody, documents_body, parse_body
+from gateway.errors import ApiError, SeqIdGuard
 from gateway.rendering import wire_json
 from gateway.routes.training import require_seq_id
 from services.control.api import CheckpointKindName, CheckpointView, Page, SaveOptions, TrainingRunView
@@ -43,6 +43,7 @@ from services.wire.rest import (
     Checkpoint,
     CheckpointsListResponse,
     CopyWeightsRequest,
+    CopyWeightsResponse,
     Cursor,
     ExternalWeightsUrlsResponse,
     SetCheckpointTtlRequest,
@@ -169,9 +170,10 @@ async def list_training_runs(
     tenant: CurrentTenant, control: Control, limit: Limit = DEFAULT_RUNS_LIMIT, offset: Offset = 0,
     access_scope: AccessScope = "owned", project_id: str | None = None,
 ) -> JSONResponse:
-    """The caller's training runs, newest first (`accessible` lists the same: runs are never shared)."""
-    del access_scope, project_id
-    runs, page = await control.list_training_runs(tenant, limit, offset)
+    """The caller's training runs, newest first (`accessible` lists the same: runs are never shared); with
+    `project_id`, the runs of that project's sessions."""
+    del access_scope
+    runs, page = await control.list_training_runs(tenant, limit, offset, project_id)
     return wire_json(TrainingRunsResponse(training_runs=[training_run_wire(r) for r in runs], cursor=cursor(page)))
 
 
@@ -274,11 +276,30 @@ async def weights_info(tenant: CurrentTenant, control: Control, body: RawBody) -
     ))
 
 
-@router.post("/copy_weights")
+WEIGHTS_TOKEN_HEADER = "X-Tinker-Weights-Access-Token"
+
+
+@router.post("/copy_weights", response_model=CopyWeightsResponse)
 @documents_body(CopyWeightsRequest)
-async def copy_weights(_: CurrentTenant, body: RawBody) -> JSONResponse:
-    parse_body(CopyWeightsRequest, body)
-    raise unsupported("copy_weights", "load the checkpoint and save it again instead")
+async def copy_weights(request: Request, tenant: CurrentTenant, control: Control, auth: Auth,
+                       body: RawBody) -> JSONResponse:
+    """Copy a checkpoint into a run of the caller's (`session_id` + `model_seq_id`) or a new session of
+    `destination_project_id`. Own and published checkpoints need nothing more; another tenant's needs its
+    owner's API key as `weights_access_token` (body or `X-Tinker-Weights-Access-Token`)."""
+    copy = parse_body(CopyWeightsRequest, body)
+    token = copy.weights_access_token or request.headers.get(WEIGHTS_TOKEN_HEADER)
+    owner = None
+    if token:
+        owner = await auth.authenticate(token)
+        if owner is None:
+            raise ApiError(403, "weights_access_token is not a live API key of the checkpoint's owner",
+                           field="weights_access_token")
+    path = await control.copy_weights(
+        tenant, copy.source_path, session_id=SessionId(copy.session_id) if copy.session_id else None,
+        model_seq_id=copy.model_seq_id, project_id=copy.destination_project_id, ttl_seconds=copy.ttl_seconds,
+        source_owner=owner,
+    )
+    return wire_json(CopyWeightsResponse(tinker_path=path))
 
 
 @router.get("/download/{token:path}", response_class=FileResponse, tags=["download"])

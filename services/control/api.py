@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import date, datetime
 from pathlib import Path
 from typing import Literal, Protocol
 
 from services.auth.tenants import Tenant
+from services.control.surface_views import (
+    AuditView,
+    BillingEventView,
+    CompletionsPage,
+    CustomLossCreated,
+    SessionSearch,
+    SessionSummaryView,
+    StorageUsageView,
+    TraceExport,
+)
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId
 from services.domain.backend import BaseModelInfo
 from services.domain.sampling import SampleResult, SampleWork
@@ -23,7 +33,7 @@ from services.domain.training import AdamParams, ForwardBackwardResult, ForwardB
 
 RequestKindName = Literal[
     "create_model", "forward", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
-    "save_weights_external", "load_weights", "sample", "unload_model",
+    "save_weights_external", "load_weights", "sample", "unload_model", "create_custom_loss",
 ]
 CheckpointKindName = Literal["training", "sampler", "external"]
 
@@ -124,7 +134,7 @@ class WeightsLoaded:
 
 Outcome = (
     ForwardBackwardResult | SampleResult | OptimStepDone | CheckpointRef | SamplerRef | ModelCreated
-    | WeightsLoaded
+    | WeightsLoaded | CustomLossCreated
 )
 """A finished request's domain result; the gateway renders it by the request's kind."""
 
@@ -275,8 +285,10 @@ class ControlPlane(Protocol):
     async def cancel(self, tenant: Tenant, request_id: RequestId) -> None: ...
 
     # -- runs, sessions, checkpoints (REST) --------------------------------------------------
-    async def list_training_runs(self, tenant: Tenant, limit: int,
-                                 offset: int) -> tuple[list[TrainingRunView], Page]: ...
+    async def list_training_runs(self, tenant: Tenant, limit: int, offset: int,
+                                 project_id: str | None = None) -> tuple[list[TrainingRunView], Page]:
+        """The tenant's runs, newest first; with `project_id`, only those of that project's sessions."""
+        ...
     async def get_training_run(self, tenant: Tenant, run_id: ModelId) -> TrainingRunView: ...
     async def list_sessions(self, tenant: Tenant, limit: int, offset: int) -> tuple[list[SessionId], Page]: ...
     async def get_session(self, tenant: Tenant, session_id: SessionId) -> SessionView: ...
@@ -297,3 +309,32 @@ class ControlPlane(Protocol):
         """The local file a signed token names; raises NotFound when the token is bad or expired."""
         ...
     async def usage(self, tenant: Tenant) -> dict[str, float]: ...
+
+    # -- the rest of the SDK surface (services/control/surface_views.py) -----------------------
+    async def retrieve_futures(self, tenant: Tenant, sampling_id: SamplingSessionId, clone: int,
+                               prev_cursor: int, timeout_s: float | None) -> CompletionsPage: ...
+    async def join_sampling_session(self, tenant: Tenant, sampling_id: SamplingSessionId) -> int: ...
+    async def create_custom_loss(self, tenant: Tenant, session_id: SessionId, seq: int, name: str,
+                                 inputs: list[dict[str, object]], nodes: list[dict[str, object]]) -> Submitted: ...
+    async def copy_weights(self, tenant: Tenant, source_path: str, *, session_id: SessionId | None,
+                           model_seq_id: int | None, project_id: str | None, ttl_seconds: int | None,
+                           source_owner: Tenant | None) -> str:
+        """A copy of a checkpoint in one of the caller's runs; its `tinker://` path."""
+        ...
+    async def unload_model(self, tenant: Tenant, model_id: ModelId) -> Submitted: ...
+    async def assign_session_project(self, tenant: Tenant, session_id: SessionId, project_id: str) -> None: ...
+    async def search_sessions(self, tenant: Tenant, search: SessionSearch) -> list[SessionSummaryView]: ...
+    async def export_session_trace(self, tenant: Tenant, session_id: SessionId, base_url: str) -> TraceExport: ...
+    async def session_trace(self, token: str) -> dict[str, object]:
+        """The Chrome/Perfetto trace a signed link names (NotFound if bad or expired)."""
+        ...
+    def mint_auth_token(self, tenant: Tenant) -> tuple[str, float]:
+        """A short-lived JWT for the caller's key and its lifetime in seconds (`auth/token`)."""
+        ...
+    async def authenticate_token(self, token: str) -> Tenant | None:
+        """The tenant of a live JWT whose key is not revoked; None otherwise."""
+        ...
+    async def audit_log(self, tenant: Tenant, event_type: str, day: date | None) -> list[AuditView]: ...
+    async def billing_usage(self, tenant: Tenant, starting_on: datetime,
+                            ending_before: datetime) -> list[BillingEventView]: ...
+    async def checkpoint_storage(self, tenant: Tenant, project_id: str | None) -> list[StorageUsageView]: ...

@@ -3,6 +3,10 @@
     sessions ─ SessionOps        models ─ ModelOps (create, create-via-load, get_info)
     training ─ TrainingOps       sampling ─ SamplingOps (+ samplers: bindings, checkpoint loads)
     futures ─ FutureOps          catalog ─ CatalogOps (runs, checkpoints, downloads, usage)
+    batch futures ─ BatchFutureOps (retrieve_futures, join_sampling_session)
+    custom losses ─ CustomLossOps, stable_reinforce records ─ StabilityRecords
+    weights ─ WeightsCopyOps (copy_weights, unload_model)   projects ─ ProjectOps (search, traces)
+    JWTs ─ JwtAuth (auth/token)  admin ─ BillingOps (audit log, billing usage, storage)
 
 All of them share one `ControlContext` (database, queue / results / notifier, checkpoint store, served
 models). This class only routes calls; it also exposes the scheduler loops' counters (`runtime_stats`).
@@ -11,12 +15,14 @@ models). This class only routes calls; it also exposes the scheduler loops' coun
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from datetime import date, datetime
 from pathlib import Path
 
 from services.auth.tenants import Tenant
 from services.control.api import (
     CheckpointKindName,
     CheckpointView,
+    ControlError,
     FutureState,
     Invalid,
     ModelInfo,
@@ -29,17 +35,33 @@ from services.control.api import (
     Submitted,
     TrainingRunView,
 )
+from services.control.batch_futures import BatchFutureOps
+from services.control.billing import BillingOps
 from services.control.catalog import CatalogOps
 from services.control.context import ControlContext, ControlOptions
+from services.control.custom_losses import CustomLossOps
 from services.control.futures import FutureOps
+from services.control.jwt_tokens import JwtAuth, TokenSigner
 from services.control.models import ModelOps
+from services.control.projects import ProjectOps
 from services.control.quotas import QuotaGate, QuotaStore
 from services.control.registry import ModelRegistry, ServedModel
 from services.control.samplers import LoadLedger, SamplerBindings, SamplerDirectory
 from services.control.sampling import SamplingOps
 from services.control.sessions import SessionOps
+from services.control.stability import StabilityRecords
 from services.control.submission import OrderedSubmitter
+from services.control.surface_views import (
+    AuditView,
+    BillingEventView,
+    CompletionsPage,
+    SessionSearch,
+    SessionSummaryView,
+    StorageUsageView,
+    TraceExport,
+)
 from services.control.training import TrainingOps
+from services.control.weights_copy import CopyDestination, WeightsCopyOps
 from services.db.database import Database
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId
 from services.domain.backend import BaseModelInfo
@@ -55,9 +77,12 @@ class ServiceControlPlane:
     def __init__(self, db: Database, queue: WorkQueue, results: ResultStore, notifier: Notifier,
                  store: CheckpointStore, models: ModelRegistry | Iterable[ServedModel],
                  options: ControlOptions | None = None, *, samplers: SamplerBindings | None = None,
-                 loads: LoadLedger | None = None, quota_store: QuotaStore | None = None) -> None:
+                 loads: LoadLedger | None = None, quota_store: QuotaStore | None = None,
+                 token_secret: bytes | None = None) -> None:
         """`samplers` / `loads` default to this process's memory; several gateways share Redis-backed ones.
-        `quota_store` likewise (token buckets): default in-process, a `RedisQuotaStore` in cluster mode."""
+        `quota_store` likewise (token buckets): default in-process, a `RedisQuotaStore` in cluster mode.
+        `token_secret` signs JWTs and trace links (gateways that share it accept each other's tokens; None:
+        a random secret of this process)."""
         registry = models if isinstance(models, ModelRegistry) else ModelRegistry(models)
         options = options or ControlOptions()
         quotas = QuotaGate(options.quotas, quota_store, default_max_models=options.default_max_models)
@@ -69,6 +94,14 @@ class ServiceControlPlane:
         self._sampling = SamplingOps(self.ctx, samplers, loads)
         self._futures = FutureOps(self.ctx)
         self._catalog = CatalogOps(self.ctx)
+        signer = TokenSigner(token_secret)
+        self._jwt = JwtAuth(db, signer)
+        self._batch = BatchFutureOps(self.ctx)
+        self._custom = CustomLossOps(self.ctx)
+        self._stability = StabilityRecords(self.ctx)
+        self._projects = ProjectOps(self.ctx, signer)
+        self._weights = WeightsCopyOps(self.ctx, OrderedSubmitter(self.ctx))
+        self._billing = BillingOps(self.ctx)
 
     # -- sessions ---------------------------------------------------------------------------------
     async def create_session(self, tenant: Tenant, *, tags: list[str], user_metadata: dict[str, object],
@@ -96,6 +129,13 @@ class ServiceControlPlane:
 
     async def forward_backward(self, tenant: Tenant, model_id: ModelId, seq_id: int,
                                work: ForwardBackwardWork) -> Submitted:
+        try:
+            work = await self._custom.attach(tenant, model_id, work)
+            work = await self._stability.fill(tenant, work)
+        except ControlError as exc:
+            # Refused before the ordered submission: the seq id is consumed all the same (protocol §6.1).
+            await self._training.reject_seq_id(tenant, model_id, seq_id, exc.message)
+            raise
         return await self._training.forward_backward(tenant, model_id, seq_id, work)
 
     async def optim_step(self, tenant: Tenant, model_id: ModelId, seq_id: int,
@@ -141,8 +181,10 @@ class ServiceControlPlane:
         await self._futures.cancel(tenant, request_id)
 
     # -- runs, sessions, checkpoints (REST) -------------------------------------------------------
-    async def list_training_runs(self, tenant: Tenant, limit: int,
-                                 offset: int) -> tuple[list[TrainingRunView], Page]:
+    async def list_training_runs(self, tenant: Tenant, limit: int, offset: int,
+                                 project_id: str | None = None) -> tuple[list[TrainingRunView], Page]:
+        if project_id is not None:
+            return await self._projects.project_runs(tenant, project_id, limit, offset)
         return await self._catalog.list_training_runs(tenant, limit, offset)
 
     async def get_training_run(self, tenant: Tenant, run_id: ModelId) -> TrainingRunView:
@@ -183,3 +225,52 @@ class ServiceControlPlane:
     # -- introspection ----------------------------------------------------------------------------
     def runtime_stats(self) -> list[RuntimeStats]:
         return self.ctx.registry.runtime_stats()
+
+    # -- the rest of the SDK surface ------------------------------------------------------------
+    async def retrieve_futures(self, tenant: Tenant, sampling_id: SamplingSessionId, clone: int,
+                               prev_cursor: int, timeout_s: float | None) -> CompletionsPage:
+        return await self._batch.retrieve_futures(tenant, sampling_id, clone, prev_cursor, timeout_s)
+
+    async def join_sampling_session(self, tenant: Tenant, sampling_id: SamplingSessionId) -> int:
+        return await self._batch.join_sampling_session(tenant, sampling_id)
+
+    async def create_custom_loss(self, tenant: Tenant, session_id: SessionId, seq: int, name: str,
+                                 inputs: list[dict[str, object]], nodes: list[dict[str, object]]) -> Submitted:
+        return await self._custom.create_custom_loss(tenant, session_id, seq, name, inputs, nodes)
+
+    async def copy_weights(self, tenant: Tenant, source_path: str, *, session_id: SessionId | None,
+                           model_seq_id: int | None, project_id: str | None, ttl_seconds: int | None,
+                           source_owner: Tenant | None) -> str:
+        destination = CopyDestination(session_id, model_seq_id, project_id)
+        return await self._weights.copy_weights(tenant, source_path, destination, ttl_seconds, source_owner)
+
+    async def unload_model(self, tenant: Tenant, model_id: ModelId) -> Submitted:
+        return await self._weights.unload_model(tenant, model_id)
+
+    async def assign_session_project(self, tenant: Tenant, session_id: SessionId, project_id: str) -> None:
+        await self._projects.assign_session_project(tenant, session_id, project_id)
+
+    async def search_sessions(self, tenant: Tenant, search: SessionSearch) -> list[SessionSummaryView]:
+        return await self._projects.search_sessions(tenant, search)
+
+    async def export_session_trace(self, tenant: Tenant, session_id: SessionId, base_url: str) -> TraceExport:
+        return await self._projects.export_session_trace(tenant, session_id, base_url)
+
+    async def session_trace(self, token: str) -> dict[str, object]:
+        return await self._projects.session_trace(token)
+
+    def mint_auth_token(self, tenant: Tenant) -> tuple[str, float]:
+        return self._jwt.mint(tenant)
+
+    async def authenticate_token(self, token: str) -> Tenant | None:
+        return await self._jwt.authenticate(token)
+
+    async def audit_log(self, tenant: Tenant, event_type: str, day: date | None) -> list[AuditView]:
+        return await self._billing.audit_log(tenant, event_type, day)
+
+    async def billing_usage(self, tenant: Tenant, starting_on: datetime,
+                            ending_before: datetime) -> list[BillingEventView]:
+        return await self._billing.billing_usage(tenant, starting_on, ending_before)
+
+    async def checkpoint_storage(self, tenant: Tenant, project_id: str | None) -> list[StorageUsageView]:
+        return await self._billing.checkpoint_storage(tenant, project_id)

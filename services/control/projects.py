@@ -18,14 +18,22 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
-from services.control.api import NotFound
+from services.control.api import NotFound, Page, TrainingRunView
 from services.control.billing import audit
+from services.control.catalog import run_view
 from services.control.context import ControlContext, not_found
 from services.control.jwt_tokens import TokenSigner
 from services.control.surface_views import SessionSearch, SessionSummaryView, TraceExport
 from services.db.ids import SessionId, TenantId
 from services.db.models import RequestRow
-from services.db.sdk_surface import SessionQuery, assign_project, search_sessions, session_checkpoints, session_requests
+from services.db.sdk_surface import (
+    SessionQuery,
+    assign_project,
+    project_runs,
+    search_sessions,
+    session_checkpoints,
+    session_requests,
+)
 from services.db.sessions import get_session
 
 DEFAULT_PROJECT = "default"
@@ -49,6 +57,16 @@ class ProjectOps:
 
         if not await self._ctx.tx(tx):
             raise NotFound(not_found("session", session_id), field="session_id")
+
+    async def project_runs(self, tenant: Tenant, project_id: str, limit: int,
+                           offset: int) -> tuple[list[TrainingRunView], Page]:
+        """`training_runs?project_id=`: the runs of the project's sessions."""
+        def tx(db: Session) -> tuple[list[TrainingRunView], int]:
+            rows, total = project_runs(db, TenantId(tenant.id), project_id, DEFAULT_PROJECT, limit, offset)
+            return [run_view(db, r) for r in rows], total
+
+        views, total = await self._ctx.tx(tx)
+        return views, Page(offset=offset, limit=limit, total_count=total)
 
     async def search_sessions(self, tenant: Tenant, search: SessionSearch) -> list[SessionSummaryView]:
         query = SessionQuery(session_id=search.session_id, display_name=search.display_name,

@@ -35,6 +35,7 @@ from services.db.ids import RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import SamplingSessionRow
 from services.db.request_log import record_request
 from services.db.runs import create_sampling_session, get_sampling_session
+from services.db.sdk_surface import mark_stability_recorded
 from services.db.sessions import get_session
 from services.domain.sampling import SampleWork
 from services.domain.validation import InvalidWork, validate_sample
@@ -96,7 +97,8 @@ class SamplingOps:
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
             tokens = sample_tokens(work)
-            request_id, is_new = await self._ctx.tx(lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens))
+            request_id, is_new = await self._ctx.tx(
+                lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens, work.record_stability_info))
             if is_new:
                 self._ctx.accepted.add(request_id, tenant.id, "sample")
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
@@ -131,7 +133,7 @@ class SamplingOps:
         return row
 
     def _log_tx(self, db: Session, tenant: Tenant, sampler_id: SamplingSessionId,
-                seq_id: int | None, tokens: int) -> tuple[RequestId, bool]:
+                seq_id: int | None, tokens: int, record_stability: bool = False) -> tuple[RequestId, bool]:
         if seq_id is not None:
             existing = sample_request_for_seq(db, sampler_id, seq_id)
             if existing is not None:
@@ -140,6 +142,8 @@ class SamplingOps:
         self._ctx.quotas.check_concurrency(db, tenant)
         row = record_request(db, TenantId(tenant.id), "sample", sampling_session_id=sampler_id, seq_id=seq_id,
                              now=self._ctx.clock())
+        if record_stability:
+            mark_stability_recorded(db, row.id)  # stable_reinforce may read this sample's logprobs
         self._ctx.quotas.charge_tokens(tenant, tokens)
         return row.id, True
 

@@ -184,6 +184,22 @@ def _all_words(words: list[str]) -> Any:
     return clause
 
 
+def project_runs(db: Session, tenant_id: TenantId, project_id: str, unassigned_project: str, limit: int,
+                 offset: int) -> tuple[list[TrainingRunRow], int]:
+    """The tenant's runs whose session is in `project_id` (`unassigned_project` also matches none set), newest
+    first, and how many there are."""
+    in_project = SessionRow.project_id == project_id
+    if project_id == unassigned_project:
+        in_project = or_(in_project, SessionRow.project_id.is_(None))
+    where = (TrainingRunRow.tenant_id == tenant_id, in_project)
+    base = select(TrainingRunRow).join(SessionRow, SessionRow.id == TrainingRunRow.session_id).where(*where)
+    rows = db.scalars(base.order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.id.desc())
+                      .limit(limit).offset(offset))
+    total = db.scalar(select(func.count()).select_from(TrainingRunRow)
+                      .join(SessionRow, SessionRow.id == TrainingRunRow.session_id).where(*where))
+    return list(rows), int(total or 0)
+
+
 def session_checkpoints(db: Session, session_ids: list[str]) -> dict[str, tuple[int, int]]:
     """(checkpoint count, stored bytes) per session, through its training runs."""
     stmt = (select(TrainingRunRow.session_id, func.count(CheckpointRow.id),

@@ -36,6 +36,8 @@ class SampleWork:
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    record_stability_info: bool = False
+    """Keep the sampled logprobs for `stable_reinforce` (services/control/stability.py)."""
 
 
 @dataclass

@@ -86,6 +86,10 @@ class AuditLogEntry(WireResponse):
     event: str
     """`<resource>_<action>`, e.g. `checkpoint_copied`."""
     event_details: dict[str, Any] = {}
+    model_id: str | None = None
+    """Deprecated in the SDK (read `event_details`); never set."""
+    tinker_path: str | None = None
+    purpose: str | None = None
 
 
 class AuditLogResponse(WireResponse):
@@ -109,6 +113,10 @@ class BillingUsageEvent(WireResponse):
     user_name: str | None = None
     session_id: str | None = None
     project_id: str | None = None
+    estimated_cost_usd: float | None = None
+    """No prices here: always None."""
+    effective_rate_usd_per_million_tokens: float | None = None
+    effective_rate_usd_per_gigabyte_month: float | None = None
     event_info: BillingEventInfo
 
 
@@ -117,18 +125,22 @@ class BillingUsageResponse(WireResponse):
 
     data: list[BillingUsageEvent]
     sessions: dict[str, dict[str, Any]] = {}
+    cost_data_through: datetime | None = None
 
 
-class StorageUsageItem(WireResponse):
+class CurrentCheckpointStorageUsageItem(WireResponse):
     project_id: str | None = None
     org_user_urn: str | None = None
+    user_email: str | None = None
     user_name: str | None = None
     checkpoint_count: int
     size_bytes: int
     size_gigabytes: float
+    estimated_monthly_cost_usd: float | None = None
 
 
-class StorageUsageResponse(WireResponse):
+class CurrentCheckpointStorageUsageResponse(WireResponse):
     """Answer of `GET billing/usage/checkpoints/current`."""
 
-    data: list[StorageUsageItem]
+    effective_rate_usd_per_gigabyte_month: float | None = None
+    data: list[CurrentCheckpointStorageUsageItem]

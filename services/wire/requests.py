@@ -311,7 +311,7 @@ class CustomLossGraph(WireRequest):
 
 
 class CreateCustomLossRequest(WireRequest):
-    """Body of `create_custom_loss` (only if `custom_loss_server_side`; not served by Carpool)."""
+    """Body of `create_custom_loss` (only if `custom_loss_server_side`)."""
 
     session_id: Id
     """Owning session."""

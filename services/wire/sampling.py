@@ -95,11 +95,11 @@ def sample_work(
         params=sampling_params_to_domain(request.sampling_params, default_max_tokens=default_max_tokens),
         prompt_logprobs=bool(request.prompt_logprobs),
         topk_prompt_logprobs=request.topk_prompt_logprobs,
+        record_stability_info=bool(request.record_stability_info),
     )
 
 
 def _reject_unsupported(request: SampleRequest) -> None:
-    # `record_stability_info` is accepted and ignored: it only feeds stable_reinforce, which is rejected.
     if request.topk_sample_logprobs:
         raise WireError("topk_sample_logprobs", "is not supported by this server (must be 0)")
     if request.target_prompt_logprobs is not None:

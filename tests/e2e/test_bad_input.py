@@ -363,7 +363,7 @@ def test_sequences_over_the_context_limit_are_400(model: Model, limits: dict[str
     model.runs_next_request()
 
 
-@pytest.mark.parametrize("loss_fn", ["bogus_loss", "gspo", "custom", ""])
+@pytest.mark.parametrize("loss_fn", ["bogus_loss", "gspo_v2", "custom_loss", ""])
 def test_unknown_loss_fn_is_400_naming_it(model: Model, loss_fn: str) -> None:
     answer = model.client.post("/api/v1/forward_backward",
                                **proto(fwdbwd_message(model.model_id, model.take(), loss_fn=loss_fn)))

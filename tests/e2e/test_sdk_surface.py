@@ -408,3 +408,35 @@ def test_retrieve_futures_reports_each_completion_once_and_keeps_the_cursor(serv
                        timeout=30, json={"target": {"type": "sampling_session", "sampling_session_id": sid},
                                          "timeout": 0})
     assert other.status_code == 404
+
+
+def test_stable_reinforce_reads_the_recorded_sampler_logprobs(world: World) -> None:
+    from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan
+
+    fresh = world.service.create_lora_training_client(base_model=world.base_model, rank=4, seed=5).result()
+    prompt = [5, 17, 42]
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+
+    def datum(sampler: tinker.SamplingClient) -> tuple[types.Datum, list[float]]:
+        seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+        tokens = [*prompt, *seq.tokens]
+        n_prompt = len(prompt) - 1
+        base = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "advantages": [0.0] * n_prompt + [1.0] * len(seq.tokens)})
+        spans = [PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n_prompt),
+                 SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens))]
+        model_spans = [PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                       SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1)]
+        return base.with_provenance(model_input=model_spans, loss_fn_inputs=spans), list(seq.logprobs or [])
+
+    recorded = world.service.create_sampling_client(base_model=world.base_model, record_stability_info=True).result()
+    data, q = datum(recorded)
+    out = fresh.forward_backward([data], "stable_reinforce").result()
+    lp = out.loss_fn_outputs[0]["logprobs"].to_torch()[len(prompt) - 1:].double()
+    q_t = torch.tensor(q, dtype=torch.float64)
+    expected = float(-(torch.exp(lp - q_t).clamp(max=2.0) * lp).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
+    unrecorded = world.service.create_sampling_client(base_model=world.base_model).result()
+    data, _ = datum(unrecorded)
+    with pytest.raises(Exception, match="record_stability_info"):
+        fresh.forward_backward([data], "stable_reinforce").result()

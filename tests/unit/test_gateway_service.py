@@ -179,7 +179,7 @@ def test_duplicates_map_to_one_request_and_rejections_do_not_block(alice: Caller
     model_id = alice.model(alice.session())
     first = alice.forward_backward(model_id, 1)
     assert alice.forward_backward(model_id, 1)["request_id"] == first["request_id"]  # a retry, never 409
-    rejected = alice.forward_backward(model_id, 2, loss_fn="gspo", status=400)
+    rejected = alice.forward_backward(model_id, 2, loss_fn="fancy_loss", status=400)
     assert rejected["field"] == "loss_fn"
     optim = alice.optim_step(model_id, 3)  # seq 2 was consumed: this one still runs
     types.OptimStepResponse.model_validate_json(alice.result(optim), strict=True)

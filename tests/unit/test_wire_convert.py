@@ -79,7 +79,7 @@ def test_cross_entropy_without_weights_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("the_call", "field"),
     [
-        (call(datum(**ce_inputs()), loss_fn="gspo"), "loss_fn"),
+        (call(datum(**ce_inputs()), loss_fn="fancy_loss"), "loss_fn"),
         (call(), "data"),
         (
             call(datum(target_tokens=np.array([2.0, 3, 4], np.float32), weights=np.ones(3, np.float32))),

@@ -1,0 +1,145 @@
+"""Futures at RL scale: 1,000 outstanding sampling futures of one tenant, resolved by the SDK's batched poller
+(`retrieve_futures`, one long-poll per sampling client) vs. one-by-one polling (`retrieve_future` per future).
+
+Starts `carpool serve` (a subprocess on 127.0.0.1, `tests/e2e/server.py`) on the tiny random-weight Qwen3 the
+e2e suites use. Both modes run the unmodified SDK: `SamplingClient.sample(...)` N times at once, then wait for
+every result. The server advertises `sample_use_retrieve_futures`; the one-by-one baseline is the same SDK with
+that flag turned off in its copy of `client/config` (what every Tinker-compatible server without the batched
+poller gets). Rounds alternate between the modes (batched first in odd rounds), each with a fresh sampling
+session. Requests are counted by the server (`carpool_http_requests_total` of `retrieve_future` and
+`retrieve_futures`, read from /metrics before and after a round); submissions (`asample`) are the same in both
+modes and not counted. Wall time runs from the first submission to the last result.
+
+Note what the protocol leaves: in SDK 0.38 a completion reported by `retrieve_futures` is still fetched with one
+`retrieve_future` (the payload), so the batched mode's floor is N fetches plus its few polls; the one-by-one
+mode pays N fetches plus a re-poll for every long-poll hold (`CARPOOL_LONG_POLL_SECONDS`) a future waits.
+
+Prints a table; the last line is machine-readable:
+RESULT batched_vs_single_wall=X requests_ratio=X
+
+    .venv/bin/python bench/futures.py [--futures 1000] [--rounds 2] [--max-tokens 4] [--long-poll-seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from tests.e2e.server import TINY_MODEL_NAME, Server, start_server  # noqa: E402
+
+POLL_ROUTES = ("/api/v1/retrieve_future", "/api/v1/retrieve_futures")
+_COUNTER = re.compile(r'^carpool_http_requests_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$')
+
+
+@dataclass
+class Round:
+    mode: str
+    wall_s: float
+    requests: int
+    batched_polls: int
+
+
+def poll_requests(server: Server) -> dict[str, int]:
+    """Requests per poll route so far, from the server's Prometheus counters."""
+    counts = dict.fromkeys(POLL_ROUTES, 0)
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        match = _COUNTER.match(line)
+        if match is None:
+            continue
+        for route in POLL_ROUTES:
+            if f'route="{route}"' in match["labels"]:
+                counts[route] += int(float(match["value"]))
+    return counts
+
+
+def make_client(server: Server, key: str, *, batched: bool) -> tinker.ServiceClient:
+    service = tinker.ServiceClient(base_url=server.url, api_key=key)
+    holder = service.holder
+    config = holder.get_client_config()
+    assert config.sample_use_retrieve_futures, "the server must advertise the batched poller"
+    if not batched:  # the SDK as it runs against a server without retrieve_futures
+        holder._client_config = config.model_copy(update={"sample_use_retrieve_futures": False})
+    return service
+
+
+def run_round(server: Server, service: tinker.ServiceClient, mode: str, n: int, max_tokens: int) -> Round:
+    sampler = service.create_sampling_client(base_model=TINY_MODEL_NAME).result()
+    prompt = types.ModelInput.from_ints([5, 17, 42, 99])
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
+    sampler.sample(prompt, 1, params).result()  # warm: the session exists, the poller (if any) is started
+    before = poll_requests(server)
+    started = time.perf_counter()
+    futures = [sampler.sample(prompt, 1, params) for _ in range(n)]
+    for future in futures:
+        assert len(future.result().sequences) == 1
+    wall = time.perf_counter() - started
+    after = poll_requests(server)
+    delta = {route: after[route] - before[route] for route in POLL_ROUTES}
+    return Round(mode, wall, sum(delta.values()), delta["/api/v1/retrieve_futures"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--futures", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--long-poll-seconds", type=float, default=None,
+                        help="the server's long-poll hold (default: its own, 25 s); a proxy with a short idle "
+                             "timeout forces a short one, and then every waiting future re-polls that often")
+    args = parser.parse_args()
+    logging.getLogger("tinker").setLevel(logging.WARNING)  # one-by-one polling logs every try_again
+
+    from worker.models.devmodel import build_dev_model
+
+    with tempfile.TemporaryDirectory(prefix="carpool-bench-futures-") as tmp:
+        model = build_dev_model(Path(tmp) / "model", layers=2, hidden=64, vocab=512, seed=0)
+        env = {} if args.long_poll_seconds is None else {"CARPOOL_LONG_POLL_SECONDS": str(args.long_poll_seconds)}
+        server = start_server(Path(tmp) / "data", model, extra_env=env)
+        try:
+            key = server.create_tenant("rl")
+            clients = {"batched": make_client(server, key, batched=True),
+                       "single": make_client(server, key, batched=False)}
+            rounds: list[Round] = []
+            for i in range(args.rounds):
+                order = ("batched", "single") if i % 2 == 0 else ("single", "batched")
+                for mode in order:
+                    rounds.append(run_round(server, clients[mode], mode, args.futures, args.max_tokens))
+                    r = rounds[-1]
+                    print(f"round {i + 1} {mode:8s} wall {r.wall_s:7.2f} s  poll requests {r.requests:6d} "
+                          f"(retrieve_futures {r.batched_polls})", flush=True)
+            for client in clients.values():
+                client.close("success").result()
+        finally:
+            server.stop()
+
+    def median(mode: str, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in rounds if r.mode == mode)
+
+    wall_ratio = median("single", "wall_s") / median("batched", "wall_s")
+    requests_ratio = median("single", "requests") / max(1.0, median("batched", "requests"))
+    print(f"\n{args.futures} outstanding sampling futures, medians of {args.rounds} rounds per mode:")
+    for mode, label in (("batched", "batched poller"), ("single", "one-by-one")):
+        print(f"  {label:15s}: {median(mode, 'wall_s'):7.2f} s, {median(mode, 'requests'):8.0f} poll requests")
+    print(f"RESULT batched_vs_single_wall={wall_ratio:.2f} requests_ratio={requests_ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
