@@ -122,3 +122,23 @@ def test_a_non_scalar_loss_fails_the_datum_not_the_process() -> None:
     program = build_program("l", "vector", INPUTS, _graph(_call("x", "torch.exp", {"ref": "logprobs"})))
     with pytest.raises(CustomLossError, match="scalar"):
         run_custom_loss(program, torch.zeros(4), {})
+
+
+def test_programs_and_stability_spans_cross_redis_through_the_codec() -> None:
+    """Cluster mode queues the work with the msgpack codec: a program and loss spans survive it unchanged."""
+    import numpy as np
+
+    from services.control.surface_views import CustomLossCreated
+    from services.control.weights_copy import DropAdapter
+    from services.db.ids import ModelId
+    from services.domain.training import AdapterId, Datum, ForwardBackwardWork, SampledSpan
+    from services.jobqueue.codec import decode, encode
+
+    program, _ = _program(ppo_like, {"logprobs": 1, "sampler_logprobs": 1, "advantages": 1})
+    datum = Datum(np.arange(4), {"target_tokens": np.arange(1, 5)}, loss_spans=(SampledSpan("req-1:0", 0, 4),))
+    work = ForwardBackwardWork(AdapterId("a"), [datum], "custom", custom_loss_id="loss-1", custom_loss=program)
+    back = decode(encode(work), ForwardBackwardWork)
+    assert back.custom_loss == program and back.data[0].loss_spans == datum.loss_spans
+    assert decode(encode(CustomLossCreated("loss-1")), CustomLossCreated) == CustomLossCreated("loss-1")
+    drop = DropAdapter(ModelId("m"), AdapterId("m"))
+    assert decode(encode(drop), DropAdapter) == drop
