@@ -2,7 +2,9 @@
 
 `Scheduler.step()` is the whole story (see `scheduler.py`); the rest are its parts:
 `requests` (what is queued, what a step plans, what comes back), `ordering` (per-model seq_id
-sequencer), `policy` (packing + fairness).
+sequencer), `policy` (packing + fairness), `pacing` (pass cost and contended budgets), `arrivals` (when
+active tenants are due, and holding an item for them), `simulation` (the scheduler on a simulated clock and
+engine, for tests and `bench/gpu_sim.py`).
 """
 
 from services.scheduler.ordering import Sequencer, StaleSeqIdError, UnorderedDedupe
