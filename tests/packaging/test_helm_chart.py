@@ -427,3 +427,19 @@ def test_a_chart_release_alone_does_not_change_the_ray_pod_templates() -> None:
         for template in templates:
             labels = template["metadata"]["labels"]
             assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_drift_every_command_the_chart_runs_exists_with_its_options(rendered: dict[str, list[Manifest]],
+                                                                    values_file: Path) -> None:
+    from typer.testing import CliRunner
+
+    from deploy.cli import app as cli
+
+    commands = {tuple(c["command"][1:]) for _, pod in pod_specs(rendered[values_file.stem])
+                for c in containers(pod) if c.get("command", [None])[0] == "carpool"}
+    assert commands
+    for args in commands:
+        # Options are parsed up to --help: an unknown option or command fails with exit code 2.
+        result = CliRunner().invoke(cli, [*args, "--help"])
+        assert result.exit_code == 0, f"carpool {' '.join(args)}: {result.output}"
