@@ -142,3 +142,19 @@ def test_programs_and_stability_spans_cross_redis_through_the_codec() -> None:
     assert decode(encode(CustomLossCreated("loss-1")), CustomLossCreated) == CustomLossCreated("loss-1")
     drop = DropAdapter(ModelId("m"), AdapterId("m"))
     assert decode(encode(drop), DropAdapter) == drop
+
+
+@pytest.mark.parametrize(("nodes", "reason"), [
+    # [0.0] * 2**31: Python arithmetic on constants would allocate gigabytes.
+    ([_call("x", "operator.mul", [0.0], 2**31)], "needs a tensor operand"),
+    ([_call("x", "operator.pow", 2, 2**31)], "needs a tensor operand"),
+    # x[:, None] * x[None, :] on a long input: the broadcast is refused before it allocates.
+    ([_call("a", "unsqueeze", {"ref": "logprobs"}, 1, op="call_method"),
+      _call("b", "unsqueeze", {"ref": "logprobs"}, 0, op="call_method"),
+      _call("x", "operator.mul", {"ref": "a"}, {"ref": "b"})], "would make"),
+    ([_call("x", "math.exp", 1e6)], "failed"),
+])
+def test_runaway_computations_fail_the_datum_before_they_run(nodes: list[dict[str, Any]], reason: str) -> None:
+    program = build_program("l", "runaway", INPUTS, _graph(*nodes))
+    with pytest.raises(CustomLossError, match=reason):
+        run_custom_loss(program, torch.zeros(8192), {})

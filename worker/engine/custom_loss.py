@@ -20,24 +20,28 @@ import torch.nn.functional as F
 
 from services.domain.custom_loss import ALLOWED_FUNCTIONS, ALLOWED_METHODS, CustomLossProgram, InvalidCustomLoss
 
-_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "neg", "pos", "pow", "getitem", "lt", "le", "gt", "ge",
-              "eq", "ne", "abs", "and_", "or_", "invert", "mod")
-_TORCH = ("exp", "log", "log1p", "expm1", "sum", "mean", "clamp", "clip", "minimum", "maximum", "where", "abs",
-          "sigmoid", "tanh", "square", "sqrt", "rsqrt", "neg", "logsumexp", "softmax", "log_softmax", "zeros_like",
-          "ones_like", "full_like", "sign", "min", "max", "amin", "amax", "relu", "exp2", "log2", "pow",
-          "logical_and", "logical_or", "logical_not", "isfinite", "nan_to_num", "stack", "cat", "dot", "mul",
-          "add", "sub", "div", "masked_fill", "numel", "argmax")
+MAX_ELEMENTS = 1 << 25
+"""Largest intermediate tensor of a custom loss (32 Mi elements, 128 MiB in fp32): a datum's inputs are at
+most a few million elements, so anything bigger is a broadcast blow-up, refused before it allocates."""
 
-FUNCTIONS: dict[str, Callable[..., Any]] = {
-    **{f"operator.{name}": getattr(operator, name) for name in _OPERATORS},
-    **{f"torch.{name}": getattr(torch, name) for name in _TORCH},
-    "torch.nn.functional.relu": F.relu, "torch.nn.functional.softplus": F.softplus,
-    "torch.nn.functional.logsigmoid": F.logsigmoid, "torch.nn.functional.softmax": F.softmax,
-    "torch.nn.functional.log_softmax": F.log_softmax, "torch.nn.functional.silu": F.silu,
+_MODULES: dict[str, Any] = {"operator": operator, "torch": torch, "torch.nn.functional": F, "math": math}
+_NATIVE: dict[str, Callable[..., Any]] = {
+    # How torch.fx names these functional ops (their C implementations).
     "torch._C._nn.log_sigmoid": F.logsigmoid, "torch._C._nn.softplus": F.softplus, "torch._C._nn.gelu": F.gelu,
-    "math.log": math.log, "math.exp": math.exp, "math.sqrt": math.sqrt,
 }
-"""Wire name → callable: exactly the domain's allow-list (checked at import below)."""
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+    if name in _NATIVE:
+        return _NATIVE[name]
+    module, _, attr = name.rpartition(".")
+    function: Callable[..., Any] = getattr(_MODULES[module], attr)
+    return function
+
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {name: _resolve(name) for name in ALLOWED_FUNCTIONS}
+"""Wire name → callable, built once at import from the domain's allow-list (constants, never a tenant's
+string): a name outside it has no entry, so it cannot be called."""
 
 _CONSTANTS: dict[str, dict[str, Any]] = {
     "dtype": {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bool": torch.bool},
@@ -45,10 +49,6 @@ _CONSTANTS: dict[str, dict[str, Any]] = {
     "layout": {"strided": torch.strided},
     "memory_format": {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format},
 }
-
-if set(FUNCTIONS) != ALLOWED_FUNCTIONS:  # the two tables must describe the same operations
-    raise RuntimeError(f"custom-loss tables disagree: {sorted(set(FUNCTIONS) ^ ALLOWED_FUNCTIONS)}")
-
 
 class CustomLossError(ValueError):
     """A program that failed on a datum (bad shapes, non-scalar loss): the request fails, the pass does not."""
@@ -73,14 +73,50 @@ def run_custom_loss(program: CustomLossProgram, logprobs: torch.Tensor,
 
 
 def _call(op: str, target: str, args: list[Any], kwargs: dict[str, Any], name: str) -> Any:
+    tensors = [a for a in _leaves([*args, *kwargs.values()]) if isinstance(a, torch.Tensor)]
+    _check_operands(target, args, tensors, name)
     try:
         if op == "call_function":
-            return FUNCTIONS[target](*args, **kwargs)
-        if op == "call_method" and target in ALLOWED_METHODS and isinstance(args[0], torch.Tensor):
-            return getattr(args[0], target)(*args[1:], **kwargs)
-    except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as exc:
+            result = FUNCTIONS[target](*args, **kwargs)
+        elif op == "call_method" and target in ALLOWED_METHODS and isinstance(args[0], torch.Tensor):
+            result = getattr(args[0], target)(*args[1:], **kwargs)
+        else:
+            raise CustomLossError(f"node {name}: {op} {target!r} is not allowed")
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, ArithmeticError) as exc:
         raise CustomLossError(f"node {name} ({target}) failed: {exc}") from None
-    raise CustomLossError(f"node {name}: {op} {target!r} is not allowed")
+    if isinstance(result, torch.Tensor) and result.numel() > MAX_ELEMENTS:
+        raise CustomLossError(f"node {name} ({target}) made {result.numel()} elements; the limit is {MAX_ELEMENTS}")
+    return result
+
+
+def _check_operands(target: str, args: list[Any], tensors: list[torch.Tensor], name: str) -> None:
+    """Refuse what could exhaust memory or time before it runs: Python arithmetic on non-tensors (`[0] * n`,
+    `2 ** n`: a traced loss only has tensor arithmetic, Python's is folded while tracing) and broadcasts
+    beyond `MAX_ELEMENTS` (`x[:, None] * x[None, :]` on long inputs)."""
+    if target.startswith("operator.") and target != "operator.getitem" and not tensors:
+        raise CustomLossError(f"node {name} ({target}): arithmetic needs a tensor operand")
+    if target == "operator.getitem" and not isinstance(args[0], torch.Tensor | tuple | torch.Size):
+        raise CustomLossError(f"node {name}: only tensors and shapes can be indexed")
+    if len(tensors) > 1:
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        except RuntimeError:
+            return  # not an elementwise combination (matmul, gather...): the result check applies
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise CustomLossError(f"node {name} ({target}) would make {math.prod(shape)} elements; the limit "
+                                  f"is {MAX_ELEMENTS}")
+
+
+def _leaves(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, list | tuple):
+            out.extend(_leaves(list(value)))
+        elif isinstance(value, dict):
+            out.extend(_leaves(list(value.values())))
+        else:
+            out.append(value)
+    return out
 
 
 def _decode(arg: Any, env: Mapping[str, Any]) -> Any:
