@@ -94,10 +94,15 @@ def test_an_expired_session_redirects_to_the_login(server: Server) -> None:
         assert client.get("/admin/").headers.get("location") == "/admin/login"
 
 
-def test_the_session_cookie_is_http_only_and_same_site_strict(server: Server) -> None:
+def test_the_session_cookie_is_http_only_same_site_strict_and_secure_behind_https(server: Server) -> None:
     with httpx.Client(base_url=server.url, follow_redirects=False, timeout=30) as client:
         cookie = login(client, server.admin_key).headers["set-cookie"]
-    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/admin" in cookie
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/admin" in cookie
+        assert "Secure" not in cookie  # plain http: a Secure cookie would never come back
+        token = form_token(client.get("/admin/login").text)
+        behind_https = client.post("/admin/login", data={"csrf": token, "api_key": server.admin_key},
+                                   headers={"X-Forwarded-Proto": "https"})
+    assert behind_https.status_code == 303 and "Secure" in behind_https.headers["set-cookie"]
 
 
 def test_a_non_admin_key_is_refused_and_sees_no_admin_data(server: Server, admin: httpx.Client) -> None:
