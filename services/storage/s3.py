@@ -22,6 +22,8 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +40,7 @@ MANIFEST = "carpool-manifest.json"
 MANIFEST_FORMAT = "carpool-checkpoint-manifest"
 _TAIL = 6  # tenants/<tenant>/runs/<run>/<kind>/<name>
 _CHUNK = 1 << 20
+_TRANSFER_THREADS = 4
 MAX_PRESIGN_S = 7 * 24 * 3600  # S3's limit for SigV4 presigned URLs
 
 
@@ -178,16 +181,20 @@ class S3CheckpointStore:
         """Upload a finished checkpoint directory, manifest last; then keep it as the cache entry."""
         bucket, key = self._split(uri)
         files = sorted(f for f in Path(directory).rglob("*") if f.is_file())
-        manifest = {"format": MANIFEST_FORMAT, "version": 1, "created_at": datetime.now(UTC).isoformat(),
-                    "files": {f.relative_to(directory).as_posix(): {"size": f.stat().st_size,
-                                                                     "sha256": _sha256(f)} for f in files}}
+        described: dict[str, dict[str, object]] = {}
+
+        def send(f: Path) -> None:  # hash and upload one file (files run in parallel)
+            rel = f.relative_to(directory).as_posix()
+            described[rel] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+            self._client.upload_file(str(f), bucket, f"{key}/{rel}", Config=self._transfer)
+
         try:
             old = self._list_keys(bucket, f"{key}/")
             # Overwrite: hide the old checkpoint first, so no reader pairs its manifest with new files.
             self._delete_keys(bucket, [f"{key}/{MANIFEST}"])
-            for f in files:
-                self._client.upload_file(str(f), bucket, f"{key}/{f.relative_to(directory).as_posix()}",
-                                         Config=self._transfer)
+            _in_parallel([lambda f=f: send(f) for f in files])
+            manifest = {"format": MANIFEST_FORMAT, "version": 1, "created_at": datetime.now(UTC).isoformat(),
+                        "files": dict(sorted(described.items()))}
             self._client.put_object(Bucket=bucket, Key=f"{key}/{MANIFEST}",
                                     Body=json.dumps(manifest, sort_keys=True).encode())
         except Exception as exc:
@@ -209,8 +216,9 @@ class S3CheckpointStore:
             return cached
         filled = self.cache.staging_dir()
         try:
-            for rel, meta in sorted(manifest["files"].items()):
-                self._download_checked(uri, bucket, f"{key}/{rel}", filled / rel, meta)
+            _in_parallel([lambda rel=rel, meta=meta: self._download_checked(uri, bucket, f"{key}/{rel}",
+                                                                           filled / rel, meta)
+                          for rel, meta in sorted(manifest["files"].items())])
             return self.cache.adopt(f"{bucket}/{key}", filled, manifest)
         except BaseException:
             shutil.rmtree(filled, ignore_errors=True)
@@ -301,6 +309,13 @@ def build_s3_store(url: str, *, cache_dir: Path, cache_max_bytes: int, endpoint_
     transfer = TransferConfig(multipart_threshold=multipart_threshold,
                               multipart_chunksize=max(multipart_threshold, 5 << 20))
     return S3CheckpointStore(location, client, ReadThroughCache(cache_dir, cache_max_bytes), transfer=transfer)
+
+
+def _in_parallel(calls: list[Callable[[], object]]) -> None:
+    """Run `calls` on a few threads; the first failure is raised once all have ended."""
+    with ThreadPoolExecutor(max_workers=max(1, min(_TRANSFER_THREADS, len(calls)))) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
 
 
 def _is_missing(exc: Exception) -> bool:
