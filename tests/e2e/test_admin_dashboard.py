@@ -215,3 +215,10 @@ def test_checkpoints_are_listed_and_their_deletion_audited(server: Server, admin
     audit = admin.get("/admin/audit?tenant=ckpt-corp").text
     assert "checkpoint.delete" in audit and "weights/nightly" in audit
     assert path not in admin.get("/admin/checkpoints?tenant=ckpt-corp").text
+    # The same process's /metrics carries the scheduler's series of that work (embedded mode: one registry).
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert re.search(r'carpool_queue_wait_seconds_count\{base_model="[^"]+",kind="create"\} [1-9]', metrics)
+    assert re.search(r'carpool_barriers_total\{base_model="[^"]+",kind="save"\} [1-9]', metrics)
+    assert re.search(r'carpool_scheduler_lease_held\{base_model="[^"]+"\} 1.0', metrics)
+    assert re.search(r'carpool_adapters_known\{base_model="[^"]+",replica="embedded"\} [1-9]', metrics)
+    assert "carpool_tenant_" not in metrics  # per-tenant series are opt-in
