@@ -1,9 +1,10 @@
 """Fixtures for the end-to-end suites: one server subprocess per module (and mode), real SDK clients.
 
 Modes. Every module runs against `carpool serve` (embedded). Modules named in
-`CARPOOL_E2E_CLUSTER_MODULES` (default: the smoke test and the core SDK training module; `all` for
-every module) run a second time against `carpool cluster up` when `CARPOOL_E2E_MODES` (default
-`embedded,cluster`) includes `cluster`; their test ids end in `[embedded]` / `[cluster]`.
+`CARPOOL_E2E_CLUSTER_MODULES` (default: smoke, SDK training, security, bad input, checkpoints,
+sampling and multi-tenant; `all` for every module) run a second time against `carpool cluster up`
+when `CARPOOL_E2E_MODES` (default `embedded,cluster`) includes `cluster`; their test ids end in
+`[embedded]` / `[cluster]`.
 `CARPOOL_E2E_MODES=embedded` turns cluster runs off, `CARPOOL_E2E_MODES=cluster
 CARPOOL_E2E_CLUSTER_MODULES=all` runs the whole suite in cluster mode only. Tests marked `slow` stay
 embedded. A module with its own `server` fixture takes part in a two-mode run only if that fixture
@@ -23,7 +24,8 @@ from tests.e2e.server import MODES, TINY_MODEL_NAME, Server, set_default_mode, s
 MODES_ENV = "CARPOOL_E2E_MODES"
 CLUSTER_MODULES_ENV = "CARPOOL_E2E_CLUSTER_MODULES"
 DEFAULT_MODES = "embedded,cluster"
-DEFAULT_CLUSTER_MODULES = "test_smoke,test_sdk_training"
+DEFAULT_CLUSTER_MODULES = ("test_smoke,test_sdk_training,test_security,test_bad_input,test_sdk_checkpoints,"
+                           "test_sdk_sampling,test_multi_tenant")
 
 
 def _requested_modes() -> list[str]:

@@ -40,9 +40,10 @@ RESULT_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path) -> Iterator[Server]:
-    """The dev-model server with a 256 KiB body limit (SDK chunks must fit in half of it)."""
-    srv = start_server(tmp_path_factory.mktemp("carpool-bad-input"), e2e_model_dir, extra_env={
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
+    """The dev-model server with a 256 KiB body limit (SDK chunks must fit in half of it); one per mode."""
+    srv = start_server(tmp_path_factory.mktemp(f"carpool-bad-input-{e2e_mode}"), e2e_model_dir, mode=e2e_mode,
+                       extra_env={
         "CARPOOL_MAX_BODY_BYTES": str(BODY_LIMIT),
         "CARPOOL_FWDBWD_MAX_CHUNK_BYTES_COUNT": str(BODY_LIMIT // 2),
     })
@@ -131,6 +132,7 @@ class Grace:
     steps: int = 0
     errors: list[BaseException] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
 
     def step(self) -> float:
         out = self.training.forward_backward([datum()], "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
@@ -153,11 +155,11 @@ def grace(server: Server, base_model: str) -> Iterator[Grace]:
     service = tinker.ServiceClient(base_url=server.url, api_key=server.create_tenant("grace"))
     tenant = Grace(service.create_lora_training_client(base_model=base_model, rank=4).result())
     tenant.step()
-    thread = threading.Thread(target=tenant.run, name="grace-trains", daemon=True)
-    thread.start()
+    tenant.thread = threading.Thread(target=tenant.run, name="grace-trains", daemon=True)
+    tenant.thread.start()
     yield tenant
     tenant.stop.set()
-    thread.join(timeout=60)
+    tenant.thread.join(timeout=60)
     service.holder.close()
 
 
@@ -508,7 +510,9 @@ def test_other_tenant_kept_training_throughout(grace: Grace) -> None:
     assert not grace.errors, grace.errors
     assert grace.steps > before and grace.steps >= 3, grace.steps
     grace.stop.set()
-    time.sleep(0.2)
+    assert grace.thread is not None
+    grace.thread.join(timeout=RESULT_TIMEOUT_S)  # its last step finished: no call of it still in flight
+    assert not grace.thread.is_alive() and not grace.errors, grace.errors
     assert grace.step() > 0  # and a step after the barrage works too
 
 

@@ -4,6 +4,7 @@ the saturation rule, and the reaper that consumes seq ids whose refused submissi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -108,6 +109,19 @@ def _reaper_gate() -> QuotaGate:
     return QuotaGate(QuotaOptions(sdk_retry_gap_s=0.05, abandon_grace_s=0.05))
 
 
+async def _until(condition: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """Let the loop run until `condition()` holds (explicit, instead of sleeping for a guessed time)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def _reaper_idle(gate: QuotaGate) -> bool:
+    """No timer left to fire and no reap still running: whatever the reaper would do, it has done."""
+    reaper = gate._reaper
+    return not reaper._timers and not reaper._tasks
+
+
 def test_a_refused_seq_id_that_is_never_retried_is_consumed() -> None:
     consumed: list[tuple[str, int, str]] = []
 
@@ -117,9 +131,9 @@ def test_a_refused_seq_id_that_is_never_retried_is_consumed() -> None:
     async def scenario() -> None:
         gate = _reaper_gate()
         gate.refused(tenant(), ModelId("m"), 3, retry_after_s=0.01, consume=consume)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
         assert consumed == []  # still within the retry horizon
-        await asyncio.sleep(0.3)
+        await _until(lambda: _reaper_idle(gate))
 
     asyncio.run(scenario())
     assert [(m, s) for m, s, _ in consumed] == [("m", 3)]
@@ -138,7 +152,8 @@ def test_a_refused_seq_id_that_keeps_being_retried_is_left_alone() -> None:
             gate.refused(tenant(), ModelId("m"), 1, retry_after_s=0.01, consume=consume)
             await asyncio.sleep(0.05)
         assert consumed == []
-        await asyncio.sleep(0.3)  # then it stops retrying (gave up, or was accepted: consuming is a no-op then)
+        # then it stops retrying (gave up, or was accepted: consuming is a no-op then)
+        await _until(lambda: _reaper_idle(gate))
 
     asyncio.run(scenario())
     assert consumed == [1]
@@ -155,9 +170,8 @@ def test_a_retry_seen_by_another_process_keeps_the_seq_id_alive() -> None:
     async def scenario() -> None:
         here = QuotaGate(QuotaOptions(sdk_retry_gap_s=0.05, abandon_grace_s=0.05), store)
         here.refused(tenant(), ModelId("m"), 1, retry_after_s=0.01, consume=consume)
-        await asyncio.sleep(0.08)
-        store.mark("refused:m:1", 10.0)  # another gateway refused a retry just now
-        await asyncio.sleep(0.2)
+        store.mark("refused:m:1", 10.0)  # another gateway refused a retry (before this timer fires)
+        await _until(lambda: _reaper_idle(here))  # the timer fired, found the marker and stood down
 
     asyncio.run(scenario())
     assert consumed == []
