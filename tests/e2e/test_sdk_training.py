@@ -274,5 +274,5 @@ def test_rl_example_learns_its_toy_task(smollm2_server: Server) -> None:
                if line.startswith("iteration ")]
     assert len(rewards) == RL_ITERATIONS and all(0.0 <= r <= 1.0 for r in rewards), proc.stdout
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.15, f"mean reward {first:.2f} over the first 3 iterations, {last:.2f} over the " \
+    assert last > first + 0.1, f"mean reward {first:.2f} over the first 3 iterations, {last:.2f} over the " \
                                 f"last 3: no learning\n{proc.stdout}"
