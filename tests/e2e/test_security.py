@@ -346,10 +346,11 @@ def test_other_tenants_model_is_not_found(server: Server, tenant_a: TenantA, bob
         "model_id": model, "seq_id": next_seq, "path": tenant_a.state_path, "optimizer": True,
     }))
     assert_not_found(bob.post("/api/v1/unload_model", json={"model_id": model}), model)
-    # A body the gateway rejects before the model is looked up must not consume A's seq id either.
+    # A body with an unknown loss must not consume A's seq id either. (Custom losses are looked up per model
+    # since issue 14, so the answer may be the model's "not found" rather than a loss_fn error.)
     bad = bob.post("/api/v1/forward_backward", content=fwdbwd_body(model, next_seq, loss_fn="bogus"),
                    headers={"Content-Type": PROTOBUF})
-    assert 400 <= bad.status_code < 500 and "loss_fn" in bad.text
+    assert 400 <= bad.status_code < 500 and ("loss_fn" in bad.text or model in bad.text), bad.text
     # A's next request (seq 6) and the ones after run as if B had never tried.
     loss = train_step(tenant_a.training)
     assert loss > 0
