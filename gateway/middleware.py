@@ -12,7 +12,7 @@ A plain ASGI class (not `BaseHTTPMiddleware`, which buffers and interferes with 
 - turns an unexpected exception into a JSON 500 that says nothing about internals (the traceback is
   logged with the request id; headers are never logged).
 
-The series live in `services.metrics.gateway` and are served from the app's registry at `/metrics`.
+The series live in `services.metrics.series` and are served from the app's registry at `/metrics`.
 Routes are labelled by their template (`/api/v1/samplers/{sampler_id:path}`), never the raw path, so ids
 cannot blow up the label set; unmatched paths share one label.
 """
@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.edge_limits import EdgeLimiter, caller_of
 from gateway.errors import BodyTooLarge, body_too_large_response, error_response, retry_after_headers
-from services.metrics.gateway import UNMATCHED_ROUTE, GatewayMetrics
+from services.metrics.series import UNMATCHED_ROUTE, GatewayMetrics
 
 log = logging.getLogger(__name__)
 

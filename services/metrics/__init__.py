@@ -6,11 +6,17 @@ loops (`RuntimeMetrics`) and the collectors, and serves it at `/metrics` (gatewa
 port of its own (schedulers, hub workers). Nothing here imports a web framework.
 """
 
-from services.metrics.collectors import ReplicaSample, ResidencyCollector, RuntimeStatsCollector
-from services.metrics.exposition import CONTENT_TYPE, MetricsServer, render, start_metrics_server
-from services.metrics.gateway import GatewayMetrics
-from services.metrics.process import ProcessMetrics
-from services.metrics.runtime import ModelSeries, RuntimeMetrics
+from services.metrics.process import (
+    CONTENT_TYPE,
+    MetricsServer,
+    ProcessMetrics,
+    ReplicaSample,
+    ResidencyCollector,
+    RuntimeStatsCollector,
+    render,
+    start_metrics_server,
+)
+from services.metrics.series import GatewayMetrics, ModelSeries, RuntimeMetrics
 
 __all__ = [
     "CONTENT_TYPE",

@@ -30,7 +30,7 @@ from services.jobqueue.protocol import (
     StoredResult,
     WorkQueue,
 )
-from services.metrics.runtime import RuntimeMetrics
+from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
 from services.scheduler.requests import Completion, PlanItem, RequestId, RequestKind

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 from services.control.api import RuntimeStats
 from services.domain.sampling import SampleResult
 from services.domain.training import WorkError
-from services.metrics.runtime import ModelSeries, RuntimeMetrics
+from services.metrics.series import ModelSeries, RuntimeMetrics
 from services.scheduler.requests import Completion, QueuedRequest, SchedulerStats
 
 
