@@ -18,6 +18,7 @@ from services.auth.tenants import Tenant
 from services.control.api import CheckpointView, Invalid, NotFound, Page, SignedUrls, TrainingRunView
 from services.control.context import ControlContext, count_checkpoints, count_training_runs, not_found
 from services.control.models import lora_spec_of, parse_path, readable_checkpoint
+from services.control.quotas import count_tenant_checkpoints
 from services.control.samplers import checkpoint_version
 from services.db.audit import record_audit
 from services.db.checkpoints import (
@@ -169,6 +170,11 @@ class CatalogOps:
                 out[f"{kind}_tokens"] = float(total.tokens)
                 out[f"{kind}_requests"] = float(total.requests)
             out["checkpoint_bytes"] = float(checkpoint_storage_bytes(db, TenantId(tenant.id)))
+            out["checkpoints"] = float(count_tenant_checkpoints(db, TenantId(tenant.id)))
+            # The storage quotas in force (absent: unlimited), so a tenant sees how close it is.
+            for name, limit in self._ctx.quotas.storage_limits(tenant).items():
+                if limit is not None:
+                    out[name] = float(limit)
             return out
 
         return await self._ctx.tx(tx)

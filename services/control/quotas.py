@@ -226,20 +226,28 @@ class QuotaGate:
         Not a 429: only deleting checkpoints (or their TTL passing) frees space, so retrying cannot help.
         `replacing`: an overwrite of an existing checkpoint adds no checkpoint (bytes are still checked).
         """
-        opts, tenant_id = self.options, TenantId(tenant.id)
-        count_limit = _first_set(tenant.quotas.max_checkpoints, opts.default_max_checkpoints)
+        tenant_id = TenantId(tenant.id)
+        limits = self.storage_limits(tenant)
+        count_limit = limits["max_checkpoints"]
         if count_limit is not None and not replacing:
             stored = count_tenant_checkpoints(db, tenant_id)
             if stored >= count_limit:
                 raise Invalid(f"tenant {tenant.name} stores {stored} checkpoints, its limit (max_checkpoints) is "
                               f"{count_limit}; delete some or let their TTL expire", field="max_checkpoints")
-        bytes_limit = _first_set(tenant.quotas.max_checkpoint_bytes, opts.default_max_checkpoint_bytes)
+        bytes_limit = limits["max_checkpoint_bytes"]
         if bytes_limit is not None:
             used = checkpoint_storage_bytes(db, tenant_id)
             if used >= bytes_limit:
                 raise Invalid(f"tenant {tenant.name} stores {used} bytes of checkpoints, its limit "
                               f"(max_checkpoint_bytes) is {bytes_limit}; delete some or let their TTL expire",
                               field="max_checkpoint_bytes")
+
+    def storage_limits(self, tenant: Tenant) -> dict[str, int | None]:
+        """`max_checkpoints` / `max_checkpoint_bytes` in force for the tenant (None: unlimited)."""
+        opts = self.options
+        return {"max_checkpoints": _first_set(tenant.quotas.max_checkpoints, opts.default_max_checkpoints),
+                "max_checkpoint_bytes": _first_set(tenant.quotas.max_checkpoint_bytes,
+                                                   opts.default_max_checkpoint_bytes)}
 
     def check_sessions(self, db: Session, tenant: Tenant) -> None:
         """Before creating a session: `QuotaExceeded` at the tenant's limit of unfinished sessions."""

@@ -128,6 +128,8 @@ def test_storage_and_session_quotas(h: Harness) -> None:
     assert err.value.field == "max_checkpoints" and "limit" in err.value.message
     again = h.run(h.control.save(tenant, model, 3, "training", SaveOptions(name="a", overwrite=True)))
     assert isinstance(h.done(tenant, again.request_id), CheckpointRef)  # replacing adds no checkpoint
+    usage = h.run(h.control.usage(tenant))
+    assert usage["checkpoints"] == 1 and usage["max_checkpoints"] == 1 and usage["checkpoint_bytes"] > 0
 
 
 def test_the_sweeper_deletes_expired_checkpoints_and_finishes_stale_sessions(h: Harness) -> None:
