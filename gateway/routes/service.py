@@ -137,11 +137,25 @@ async def finish_session(
 async def telemetry(tenant: CurrentTenant, body: RawBody) -> JSONResponse:
     """Accept SDK telemetry; client-side exceptions are logged (they explain many client failures)."""
     batch = parse_body(TelemetrySendRequest, body)
+    logged = 0
     for event in batch.events:
-        if event.event == "UNHANDLED_EXCEPTION" or (event.event_name or "").endswith("validation_error"):
-            log.info("client telemetry from tenant %s session %s: %s %s %s", tenant.id, batch.session_id,
-                     event.event_name or event.event, event.error_type or "", event.error_message or "")
+        if logged < TELEMETRY_LOGGED_PER_BATCH and (
+                event.event == "UNHANDLED_EXCEPTION" or (event.event_name or "").endswith("validation_error")):
+            logged += 1  # client strings are capped: a tenant must not be able to flood the server's logs
+            log.info("client telemetry from tenant %s session %s: %s %s %s", tenant.id, _clip(batch.session_id),
+                     _clip(event.event_name or event.event), _clip(event.error_type or ""),
+                     _clip(event.error_message or ""))
     return wire_json(TelemetryResponse())
+
+
+TELEMETRY_LOGGED_PER_BATCH = 10
+"""Most telemetry events of one batch that are logged."""
+TELEMETRY_LOGGED_CHARS = 256
+"""Longest client string logged from telemetry (longer ones are cut)."""
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= TELEMETRY_LOGGED_CHARS else text[:TELEMETRY_LOGGED_CHARS] + "…"
 
 
 @router.get("/get_server_capabilities", response_model=GetServerCapabilitiesResponse)

@@ -6,6 +6,7 @@ stop strings / checkpoint names, the Redis trust check and version-bound downloa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import time
@@ -331,3 +332,15 @@ def test_download_tokens_carry_the_checkpoint_version_and_a_bounded_lifetime() -
     assert token_version(signer.sign("p", soon)) is None
     with pytest.raises(ValueError, match="at most"):
         signer.sign("p", datetime.now(UTC) + timedelta(seconds=MAX_TOKEN_TTL_S + 60))
+
+
+def test_client_telemetry_is_logged_capped(caplog: pytest.LogCaptureFixture) -> None:
+    event = {"event": "UNHANDLED_EXCEPTION", "event_id": "e", "event_session_index": 1, "severity": "ERROR",
+             "timestamp": "2026-01-01T00:00:00Z", "error_type": "E" * 2000, "error_message": "x" * 15_000}
+    body = {"events": [event] * 30, "platform": "linux", "sdk_version": "0.38.0", "session_id": "s", "process_uuid": "p"}
+    app = create_app(GatewaySettings(), object(), OneKey())  # type: ignore[arg-type]
+    with TestClient(app) as http, caplog.at_level(logging.INFO, logger="gateway.routes.service"):
+        response = http.post("/api/v1/telemetry", json=body, headers={"X-API-Key": KEY})
+    assert response.status_code == 200, response.text
+    logged = [r.getMessage() for r in caplog.records if "client telemetry" in r.getMessage()]
+    assert len(logged) == 10 and max(len(m) for m in logged) < 1000
