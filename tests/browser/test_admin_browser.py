@@ -199,3 +199,16 @@ def test_every_page_screenshotted_and_without_serious_accessibility_violations(
 def serious(response: dict[str, Any]) -> list[str]:
     return [f"{v['id']}: {v['help']} ({len(v['nodes'])} nodes)" for v in response["violations"]
             if v.get("impact") in ("serious", "critical")]
+
+
+def test_the_overview_refreshes_itself_under_the_content_security_policy(admin_page: Any, server: Server) -> None:
+    page = admin_page
+    violations: list[str] = []
+    page.on("console", lambda message: violations.append(message.text)
+            if "Content Security Policy" in message.text else None)
+    page.goto(f"{server.url}/admin/")
+    with page.expect_response(lambda r: r.url.endswith("/admin/overview/live") and r.status == 200,
+                              timeout=30_000):
+        pass  # htmx (vendored, loaded under script-src 'self') polls every 5 s
+    assert page.locator("table td", has_text=TINY_MODEL_NAME).count() == 1
+    assert not violations, violations
