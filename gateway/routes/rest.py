@@ -57,8 +57,14 @@ _mount("GET", "/training_runs/{training_run_id}", weights.get_training_run, Trai
 _mount("GET", "/training_runs/{training_run_id}/checkpoints", weights.list_run_checkpoints,
        CheckpointsListResponse, "List a run's checkpoints")
 _mount("GET", "/checkpoints", weights.list_user_checkpoints, CheckpointsListResponse, "List all checkpoints")
-_mount("POST", "/futures/{request_id}/cancel", futures.cancel_future, futures.CancelledFuture,
-       "Cancel a future")
+
+
+@router.post("/futures/{request_id}/cancel", response_model=futures.CancelledFuture, summary="Cancel a future")
+async def cancel_future(request_id: str, tenant: CurrentTenant, control: Control) -> JSONResponse:
+    """Abandon a request (best effort: one already running finishes). The path names it; a body is ignored
+    (the Tinker route reads the id from its body, which here would let path and body disagree)."""
+    await control.cancel(tenant, RequestId(request_id))
+    return JSONResponse(futures.CancelledFuture(request_id=request_id).model_dump())
 
 
 @router.get("/models/{model_id}", response_model=GetInfoResponse, summary="Get a training run's model info")
