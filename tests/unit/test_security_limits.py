@@ -337,7 +337,8 @@ def test_download_tokens_carry_the_checkpoint_version_and_a_bounded_lifetime() -
 def test_client_telemetry_is_logged_capped(caplog: pytest.LogCaptureFixture) -> None:
     event = {"event": "UNHANDLED_EXCEPTION", "event_id": "e", "event_session_index": 1, "severity": "ERROR",
              "timestamp": "2026-01-01T00:00:00Z", "error_type": "E" * 2000, "error_message": "x" * 15_000}
-    body = {"events": [event] * 30, "platform": "linux", "sdk_version": "0.38.0", "session_id": "s", "process_uuid": "p"}
+    body = {"events": [event] * 30, "platform": "linux", "sdk_version": "0.38.0", "session_id": "s",
+            "process_uuid": "p"}
     app = create_app(GatewaySettings(), object(), OneKey())  # type: ignore[arg-type]
     with TestClient(app) as http, caplog.at_level(logging.INFO, logger="gateway.routes.service"):
         response = http.post("/api/v1/telemetry", json=body, headers={"X-API-Key": KEY})
