@@ -20,6 +20,7 @@ from services.hub.runner import PushRunner, RetryIn
 log = logging.getLogger(__name__)
 
 TASK_NAME = "carpool.hub_push"
+CRASHED = "the push crashed on the server; see the hub worker's log"
 
 
 class PushDispatcher(Protocol):
@@ -56,7 +57,7 @@ class InProcessDispatcher:
                 attempt += 1
         except Exception:  # noqa: BLE001 - a thread must not die silently: the push is marked failed
             log.exception("hub push %s crashed", push_id)
-            self._runner.fail_exhausted(push_id, "the push crashed on the server; see the server log")
+            self._runner.fail_exhausted(push_id, CRASHED)
 
 
 def celery_app(broker_url: str, *, prefix: str = "carpool") -> Any:
@@ -79,7 +80,12 @@ def register_push_task(app: Any, runner: PushRunner) -> Any:
 
     @app.task(name=TASK_NAME, bind=True, acks_late=True, max_retries=None)
     def hub_push(task: Any, push_id: int) -> str:
-        outcome = runner.run(push_id, task.request.retries)
+        try:
+            outcome = runner.run(push_id, task.request.retries)
+        except Exception:  # noqa: BLE001 - a bug must end the push, not leave it running forever
+            log.exception("hub push %s crashed", push_id)
+            runner.fail_exhausted(push_id, CRASHED)
+            return "failed"
         if isinstance(outcome, RetryIn):
             raise task.retry(countdown=outcome.seconds)
         return outcome.status

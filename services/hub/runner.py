@@ -136,6 +136,8 @@ class PushRunner:
     def _push(self, job: _Job, token: str) -> PushResult:
         if job.storage_uri is None:
             raise StorageError(f"checkpoint {job.tinker_path} was deleted before it could be pushed")
+        if self._scratch_dir is not None:
+            self._scratch_dir.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"hub-push-{job.push_id}-", dir=self._scratch_dir))
         try:
             source = self._materialise(job.storage_uri)
