@@ -120,8 +120,10 @@ def check_csrf(request: Request, session: AdminSession, form: dict[str, Any]) ->
 def same_origin(request: Request) -> bool:
     """A browser names the page a form came from in `Origin`; another site's name means a forged post."""
     origin = request.headers.get("origin")
-    if origin is None or origin == "null" and request.headers.get("sec-fetch-site") == "same-origin":
+    if origin is None:  # no Origin (non-browser clients, older browsers): the CSRF token alone decides
         return True
+    if origin == "null":  # privacy-masked origin: trust only the browser's own same-origin verdict
+        return request.headers.get("sec-fetch-site") == "same-origin"
     return urlsplit(origin).netloc == request.headers.get("host", "")
 
 
