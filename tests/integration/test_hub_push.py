@@ -303,3 +303,22 @@ def test_openapi_documents_hub_routes(stack: Stack) -> None:
     paths = stack.http.get("/openapi.json").json()["paths"]
     assert {"/v1/hub_pushes", "/v1/hub_pushes/{push_id}", "/v1/hub_credentials/{hub_name}"} <= set(paths)
     assert "202" in paths["/v1/hub_pushes"]["post"]["responses"]
+
+
+def test_operator_token_serves_tenants_without_their_own(stack: Stack) -> None:
+    tenant, headers = stack.tenant("acme")
+    path = stack.checkpoint(tenant)
+    h = stack.harness
+    runner = PushRunner(h.db, h.store, {"hf": HuggingFaceClient(stack.hf)}, stack.cipher,  # type: ignore[dict-item]
+                        operator_tokens={"hf": "hf_operator_token"}, backoff_s=0.0)
+    dispatcher = InProcessDispatcher(runner, sleep=lambda _s: None)
+    stack.http.app.state.hub = HubPushService(h.db, stack.cipher, dispatcher, operator_hubs={"hf": True})
+    try:
+        answer = _push(stack, headers, tinker_path=path, hub="huggingface", repo_id="acme/op")
+        assert answer.status_code == 202
+        assert stack.wait(headers, answer.json()["id"])["status"] == "done"
+    finally:
+        dispatcher.shutdown()
+    assert stack.hf.calls[-1][2]["token"] == "hf_operator_token"
+    # ModelScope has no operator token here: the tenant still needs its own.
+    assert _push(stack, headers, tinker_path=path, hub="modelscope", repo_id="acme/op").status_code == 400
