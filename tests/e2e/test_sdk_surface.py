@@ -440,3 +440,23 @@ def test_stable_reinforce_reads_the_recorded_sampler_logprobs(world: World) -> N
     data, _ = datum(unrecorded)
     with pytest.raises(Exception, match="record_stability_info"):
         fresh.forward_backward([data], "stable_reinforce").result()
+
+
+def test_unload_model_frees_the_adapter_after_its_queued_requests(server: Server, world: World) -> None:
+    """Not an SDK 0.38 method (its type exists): served as a future, ordered after the model's requests."""
+    client = world.service.create_lora_training_client(base_model=world.base_model, rank=2).result()
+    pending = client.forward_backward(world.data, "cross_entropy")
+    url, headers = f"{server.url}/api/v1", {"X-API-Key": world.key}
+    future = httpx.post(f"{url}/unload_model", headers=headers, timeout=30,
+                        json={"model_id": client.model_id, "type": "unload_model"}).json()
+    assert pending.result().metrics["loss:sum"] > 0  # queued before the unload: it ran
+    answer = {"type": "try_again"}
+    while answer.get("type") == "try_again":
+        answer = httpx.post(f"{url}/retrieve_future", headers=headers, timeout=60,
+                            json={"request_id": future["request_id"]}).json()
+    assert answer == {"model_id": client.model_id, "type": "unload_model"}
+    run = world.rest.get_training_run(client.model_id).result()
+    assert run.training_run_id == client.model_id
+    # The unload took the model's next seq id: the SDK's next request finds it used (a 400, never a hang).
+    with pytest.raises(Exception, match="unload_model"):
+        client.forward(world.data, "cross_entropy").result()
