@@ -6,6 +6,7 @@ simulated, nothing here is timed."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,18 @@ def test_decide_hold_waits_for_the_last_tenant_due_within_the_budget() -> None:
     assert decision.waiting_for == {"a", "b"}
     assert decide_hold(expected, now=1.05, held_since=1.0, budget_s=0.05).hold_s is None  # budget spent
     assert decide_hold({}, now=1.0, held_since=1.0, budget_s=0.05).hold_s is None
+
+
+def test_the_settings_reach_the_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.embedded import _scheduler
+    from deploy.settings import ServiceSettings
+
+    default = _scheduler(ServiceSettings(data_dir=tmp_path)).limits
+    assert (default.hold_factor, default.max_hold_seconds) == (SchedulerLimits.hold_factor,
+                                                               SchedulerLimits.max_hold_seconds)
+    monkeypatch.setenv("CARPOOL_HOLD_FACTOR", "0")
+    monkeypatch.setenv("CARPOOL_MAX_HOLD_MS", "40")
+    limits = _scheduler(ServiceSettings(data_dir=tmp_path)).limits
+    assert (limits.hold_factor, limits.max_hold_seconds) == (0, 0.04)
+    with pytest.raises(ValueError):
+        ServiceSettings(data_dir=tmp_path, hold_factor=-1)
