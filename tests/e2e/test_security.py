@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -28,7 +29,7 @@ from tinker import types
 from tinker.lib.public_interfaces.training_client import TrainingClient
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, start_server
 
 PROTOBUF = "application/x-protobuf"
 AUTH_CACHE_S = 5.0
@@ -107,6 +108,19 @@ def train_step(training: TrainingClient) -> float:
 
 
 # -- fixtures -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
+    """This module's server (one per mode). It sends hundreds of bad keys from one address on purpose, so
+    the edge's failed-authentication limit is lifted here (that limit has tests of its own)."""
+    srv = start_server(tmp_path_factory.mktemp(f"carpool-security-{e2e_mode}"), e2e_model_dir, mode=e2e_mode,
+                       extra_env={"CARPOOL_EDGE_FAILED_AUTH_PER_MINUTE": "1000000",
+                                  "CARPOOL_EDGE_FAILED_AUTH_BURST": "1000000"})
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def issued_keys() -> list[str]:
     """Every tenant key this module handed out; none may reach the log (checked by `log_scanned_at_the_end`

@@ -4,7 +4,9 @@ gateway over HTTP and six tenants training through the `tinker` SDK at once.
 Shows the data plane's core promises on real PostgreSQL and Redis: adapters spread over both replicas,
 passes carry several tenants, a replica that dies mid-training is replaced by restoring its adapters
 from snapshot + request log on the survivor, every call completes, and every tenant's final weights equal
-an uninterrupted run on an in-process engine.
+an uninterrupted run on an in-process engine. Also `carpool worker` as its own process: the Ray Serve
+replicas of a real deployment, found through Redis by the scheduler (a replica's process killed with
+SIGKILL is tests/integration/test_cluster_ray.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from services.db.testing import scratch_postgres_database
-from services.runtime.redis_replicas import ClusterKeys, connect
+from services.runtime.redis_replicas import ClusterKeys, RedisReplicaLink, connect
 from tests.e2e.server import CARPOOL
 from tests.integration.cluster_support import (
     BASE,
@@ -126,3 +128,32 @@ def test_a_standby_scheduler_takes_over_from_a_killed_one(stack: ClusterStack, t
         print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
 
         assert difference <= 1e-5, f"tenant {tenant}"
+
+
+def test_carpool_worker_serves_a_tenant_and_stops_on_sigint(stack: ClusterStack, tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """`carpool worker` starts a local Ray and deploys the Serve replica; an in-process scheduler and gateway
+    find it through Redis, a tenant trains to the reference weights, and SIGINT removes it with exit 0."""
+    env = {**os.environ, **settings_env(stack.settings), "CARPOOL_REPLICAS": "1", "CARPOOL_RAY_NUM_CPUS": "2",
+           "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray, not one a neighbouring test may have started
+    log_path = tmp_path / "worker.log"
+    worker = subprocess.Popen([CARPOOL, "worker"], env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+    link = RedisReplicaLink(connect(stack.settings.redis_url), ClusterKeys(BASE, stack.settings.redis_prefix))
+    try:
+        wait_until(lambda: worker.poll() is not None or len(link.live_replicas()) == 1, 600,
+                   "`carpool worker` registered no replica")
+        assert worker.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        assert link.replica_infos()[0].pid != os.getpid()  # the replica lives in a Ray worker process
+        stack.start_scheduler()
+        stack.start_gateway()
+        keys = create_tenant_keys(stack.settings.resolved_database_url(), 1, prefix="worker-cli")
+        (path,) = train_all(stack.url, keys, 3)
+        got = saved_weights(stack.settings.resolved_database_url(), stack.settings.data_dir, path)
+        assert max_difference(got, reference_weights(tiny_model_dir, 1, 3)[0]) <= 1e-5
+        worker.send_signal(signal.SIGINT)
+        assert worker.wait(timeout=180) == 0, log_path.read_text(errors="replace")[-4000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=30)
