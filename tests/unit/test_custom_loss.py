@@ -158,3 +158,43 @@ def test_runaway_computations_fail_the_datum_before_they_run(nodes: list[dict[st
     program = build_program("l", "runaway", INPUTS, _graph(*nodes))
     with pytest.raises(CustomLossError, match=reason):
         run_custom_loss(program, torch.zeros(8192), {})
+
+
+def test_a_failing_custom_loss_fails_its_request_only(tiny_model_dir: Any) -> None:
+    """`logprobs[5]` fails on the short datum: the whole request fails and leaves its adapter's gradient
+    untouched, while another tenant in the same pass gets exactly its solo result."""
+    import numpy as np
+
+    from services.domain.training import (
+        AdamParams,
+        AdapterId,
+        Datum,
+        ForwardBackwardResult,
+        ForwardBackwardWork,
+        LoraSpec,
+        WorkError,
+    )
+    from worker.engine.engine import Engine, EngineConfig
+
+    program = build_program("l", "fifth", INPUTS, _graph(_call("x", "operator.getitem", {"ref": "logprobs"}, 5)))
+    config = EngineConfig(device="cpu", dtype="float32", lora_strategy="loop")
+    packed, solo = Engine(tiny_model_dir, name="t", config=config), Engine(tiny_model_dir, name="t", config=config)
+    for engine in (packed, solo):
+        engine.create_adapter(AdapterId("other"), LoraSpec(rank=4, seed=1))
+    packed.create_adapter(AdapterId("custom"), LoraSpec(rank=4, seed=2))
+
+    def datum(n: int) -> Datum:
+        seq = np.arange(3, 4 + n)
+        return Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(n, np.float32)})
+
+    other = ForwardBackwardWork(AdapterId("other"), [datum(7)])
+    custom = ForwardBackwardWork(AdapterId("custom"), [datum(9), datum(3)], "custom", custom_loss=program)
+    before = {k: v.detach().clone() for k, v in packed.adapter(AdapterId("custom")).params.items()}
+    failed, together = packed.forward_backward([custom, other])
+    alone = solo.forward_backward([other])[0]
+    assert isinstance(failed, WorkError) and "index 5" in failed.message
+    assert isinstance(together, ForwardBackwardResult) and isinstance(alone, ForwardBackwardResult)
+    assert together.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6)
+    packed.optim_step(AdapterId("custom"), AdamParams(learning_rate=1.0))
+    for key, value in packed.adapter(AdapterId("custom")).params.items():
+        assert torch.equal(value.detach(), before[key]), key

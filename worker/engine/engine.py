@@ -181,7 +181,7 @@ class Engine:
                 item = PackedItem(key=(i, j), adapter_key=work.adapter_id,
                                   weights=weights.get(work.adapter_id), datum=datum, loss_fn=work.loss_fn,
                                   loss_config=dict(work.loss_config), train=not work.forward_only,
-                                  custom_loss=work.custom_loss)
+                                  custom_loss=work.custom_loss, request=i)
                 by_adapter.setdefault(work.adapter_id, []).append(item)
         for aid in trains:
             states[aid].pending_grad_passes += 1

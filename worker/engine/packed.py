@@ -37,6 +37,9 @@ class PackedItem:
     train: bool
     custom_loss: CustomLossProgram | None = None
     """The program of a `custom` loss (worker/engine/custom_loss.py)."""
+    request: object = None
+    """The request the datum belongs to: when a custom loss fails on one of its datums, the request's other
+    datums stay out of the backward too (the request fails as a whole, its adapter gets no gradient)."""
 
 
 @dataclass
@@ -89,7 +92,8 @@ def _segments(items: list[PackedItem]) -> list[Segment]:
 def _losses(lm: LoadedModel, items: list[PackedItem],
             logits: torch.Tensor) -> tuple[list[ItemOutput], torch.Tensor | None]:
     outputs: list[ItemOutput] = []
-    total: torch.Tensor | None = None
+    trained: list[tuple[object, torch.Tensor]] = []
+    failed: set[object] = set()
     for item, lp in zip(items, _item_logprobs(lm, items, logits), strict=True):
         inputs = {k: torch.from_numpy(np.asarray(v)).to(lm.device) for k, v in item.datum.loss_inputs.items()}
         metrics: dict[str, float] | None = None
@@ -98,6 +102,7 @@ def _losses(lm: LoadedModel, items: list[PackedItem],
                 loss, custom_metrics = run_custom_loss(item.custom_loss, lp, inputs)
             except CustomLossError as exc:
                 outputs.append(_failed(lp, str(exc)))
+                failed.add(item.request)
                 continue
             metrics = {k: float(v.detach()) for k, v in custom_metrics.items()}
             # No per-token split exists for an arbitrary loss: the datum's loss sits on its last position.
@@ -107,13 +112,17 @@ def _losses(lm: LoadedModel, items: list[PackedItem],
             elementwise = LOSSES[item.loss_fn](lp, inputs, item.loss_config)
             loss = elementwise.sum()
         if item.train:
-            total = loss if total is None else total + loss
+            trained.append((item.request, loss))
         outputs.append(ItemOutput(
             logprobs=lp.detach().float().cpu().numpy().astype(np.float32),
             elementwise_loss=elementwise.detach().float().cpu().numpy().astype(np.float32),
             loss=float(loss.detach()),
             metrics=metrics,
         ))
+    total: torch.Tensor | None = None
+    for request, loss in trained:
+        if request is None or request not in failed:
+            total = loss if total is None else total + loss
     return outputs, total
 
 
