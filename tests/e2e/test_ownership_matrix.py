@@ -18,13 +18,12 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
 import pytest
 import tinker
-from tinker import types
 
 from tests.e2e.server import Server
 from tests.e2e.test_security import api, fwdbwd_body, split_path, train_step, wait_result
@@ -361,5 +360,3 @@ def _masked(response: httpx.Response, ids: Ids) -> tuple[int, str, tuple[str, ..
     headers = tuple(f"{h}={response.headers.get(h)}" for h in HIDDEN_HEADERS)
     return response.status_code, text, headers
 
-
-_ = replace, types  # kept for readers extending the cases (frozen ids, SDK types)
