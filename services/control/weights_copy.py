@@ -14,7 +14,7 @@ the model's next seq id) and marks the run `unloaded`; its checkpoints stay.
 
 from __future__ import annotations
 
-import shutil
+import asyncio
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,6 +36,7 @@ from services.db.sessions import create_session
 from services.domain.backend import Backend
 from services.domain.training import AdapterId
 from services.scheduler.requests import RequestKind
+from services.storage.protocol import StorageError
 from services.wire.paths import TYPE_TO_SEGMENT, checkpoint_path
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
@@ -88,9 +89,9 @@ class WeightsCopyOps:
             return copied
 
         src_uri, dst_uri, path = await self._ctx.tx(tx)
-        try:
-            shutil.copytree(self._ctx.store.local_path(src_uri), self._ctx.store.local_path(dst_uri))
-        except FileNotFoundError as exc:
+        try:  # through the store: with S3 the files are objects, copied server-side
+            await asyncio.to_thread(self._ctx.store.copy_checkpoint, src_uri, dst_uri)
+        except StorageError as exc:
             await self._ctx.tx(lambda db: _drop_row(db, tenant, path))
             raise NotFound(f"checkpoint {source_path} has no stored files", field="source_path") from exc
         return path

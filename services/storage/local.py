@@ -80,6 +80,12 @@ class LocalCheckpointStore:
             return []
         return sorted(f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file())
 
+    def copy_checkpoint(self, source_uri: str, target_uri: str) -> None:
+        source = self.local_path(source_uri)
+        if not source.is_dir():
+            raise StorageError(f"checkpoint {source_uri} has no stored files")
+        shutil.copytree(source, self.local_path(target_uri))
+
     # -- downloads --------------------------------------------------------------------------------
     def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
                       version: str | None = None) -> dict[str, str]:

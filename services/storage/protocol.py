@@ -53,6 +53,10 @@ class CheckpointStore(Protocol):
         """The checkpoint's files as `/`-separated paths relative to its directory, sorted."""
         ...
 
+    def copy_checkpoint(self, source_uri: str, target_uri: str) -> None:
+        """Copy a checkpoint's files to another URI; `StorageError` if the source has none."""
+        ...
+
     def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
                       version: str | None = None) -> dict[str, str]:
         """Relative file path → absolute URL that downloads it until `expires_at`."""

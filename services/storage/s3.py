@@ -156,6 +156,23 @@ class S3CheckpointStore:
         manifest = self.manifest(uri)
         return sorted(manifest["files"]) if manifest else []
 
+    def copy_checkpoint(self, source_uri: str, target_uri: str) -> None:
+        """Server-side copy of every file (no bytes through this process), the manifest last."""
+        source_bucket, source_key = self._split(source_uri)
+        bucket, key = self._split(target_uri)
+        manifest = self.manifest(source_uri)
+        if manifest is None:
+            raise StorageError(f"checkpoint {source_uri} has no stored files")
+        try:
+            _in_parallel([lambda rel=rel: self._client.copy(
+                {"Bucket": source_bucket, "Key": f"{source_key}/{rel}"}, bucket, f"{key}/{rel}",
+                Config=self._transfer) for rel in manifest["files"]])
+            self._client.put_object(Bucket=bucket, Key=f"{key}/{MANIFEST}",
+                                    Body=json.dumps(manifest, sort_keys=True).encode())
+        except Exception as exc:
+            self._cleanup_failed(bucket, key)
+            raise StorageError(f"S3 copy of {source_uri} failed ({_describe(exc)})") from exc
+
     # -- downloads --------------------------------------------------------------------------------
     def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,
                       version: str | None = None) -> dict[str, str]:

@@ -83,6 +83,17 @@ def test_contract_download_urls_fetch_each_file(store_and_put: tuple[CheckpointS
             assert httpx.get(url).content == FILES[rel]
 
 
+def test_contract_copy_checkpoint(store_and_put: tuple[CheckpointStore, Put]) -> None:
+    store, put = store_and_put
+    source, target = store.uri_for("t", "r", "training", "a"), store.uri_for("t", "r2", "training", "b")
+    with pytest.raises(StorageError, match="no stored files"):
+        store.copy_checkpoint(source, target)
+    put(source, FILES)
+    store.copy_checkpoint(source, target)
+    assert store.list_files(target) == sorted(FILES) and store.size(target) == store.size(source)
+    assert store.delete(source) and store.exists(target)  # the copy outlives its source
+
+
 # -- S3 only ----------------------------------------------------------------------------------------
 @pytest.fixture
 def s3(s3_server: S3Server, s3_bucket: str, tmp_path: Path) -> S3CheckpointStore:
