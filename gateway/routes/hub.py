@@ -1,8 +1,11 @@
-"""REST for hub pushes: `POST/GET /v1/hub_pushes`, `GET /v1/hub_pushes/{id}`, `PUT/DELETE /v1/hub_credentials/{hub}`.
+"""REST for hub pushes: `POST/GET /v1/hub_pushes`, `GET /v1/hub_pushes/{id}`, `POST /v1/hub_pushes/{id}/retry`,
+`PUT/DELETE /v1/hub_credentials/{hub}`.
 
 A push is accepted with 202 and runs in the background (Celery in cluster mode, threads in `carpool
 serve`); poll `GET /v1/hub_pushes/{id}` for queued → running → done|failed. Tokens go in once and never
-come back out: the credential routes answer without them.
+come back out: the credential routes answer without them. A failed push can be retried (202, queued
+again); retrying one in any other state answers 409 naming that state (these routes are not the SDK's,
+so 409 is safe: nothing retries it blindly).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.deps import CurrentTenant
 from gateway.errors import ApiError
-from services.hub.service import HubPushService, NewPush, PushView
+from services.hub.service import HubPushService, NewPush, NotRetryable, PushView
 
 router = APIRouter(prefix="/v1", tags=["hub"])
 
@@ -91,13 +94,23 @@ async def list_hub_pushes(
     limit: Annotated[int, Query(description="Page size (1-100)")] = 20,
     offset: Annotated[int, Query(description="Pushes to skip")] = 0,
 ) -> HubPushList:
-    views, total = await hub.list(tenant, limit, offset)
+    views, total = await hub.list_pushes(tenant, limit, offset)
     return HubPushList(hub_pushes=[_push(v) for v in views], total_count=total, limit=limit, offset=offset)
 
 
 @router.get("/hub_pushes/{push_id}", response_model=HubPush, summary="Get a hub push")
 async def get_hub_push(push_id: int, tenant: CurrentTenant, hub: Hub) -> HubPush:
     return _push(await hub.get(tenant, push_id))
+
+
+@router.post("/hub_pushes/{push_id}/retry", status_code=202, response_model=HubPush,
+             summary="Retry a failed hub push", responses={409: {"description": "The push is not failed"}})
+async def retry_hub_push(push_id: int, tenant: CurrentTenant, hub: Hub) -> JSONResponse:
+    try:
+        view = await hub.retry(tenant, push_id)
+    except NotRetryable as exc:
+        raise ApiError(409, exc.message, field="status") from exc
+    return JSONResponse(_push(view).model_dump(mode="json"), status_code=202)
 
 
 @router.put("/hub_credentials/{hub_name}", status_code=204, summary="Store your token for a hub")

@@ -5,18 +5,23 @@ Creating a push checks everything that can be checked without the hub — the ch
 exists (the tenant's or the operator's) — records it `queued` and hands its id to the dispatcher; the
 request never waits for the hub. Tokens are encrypted before they reach the database and never read back
 through this service.
+
+Retrying puts a `failed` push back to `queued` and dispatches the same push id again (the same runner, or
+the same Celery task in cluster mode); a push in any other state is refused with `NotRetryable`, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy.orm import Session
+
 from services.auth.tenants import Tenant
-from services.control.api import Invalid, NotFound
+from services.control.api import ControlError, Invalid, NotFound
 from services.control.models import parse_path
 from services.db import Database
 from services.db.errors import NotFoundError
@@ -28,6 +33,7 @@ from services.db.hub_pushes import (
     get_hub_push,
     list_hub_pushes,
     put_hub_credential,
+    requeue_failed_hub_push,
 )
 from services.db.ids import HubPushId, TenantId
 from services.db.models import HubPushRow, HubTarget
@@ -72,6 +78,20 @@ class PushView:
     finished_at: datetime | None
 
 
+class NotRetryable(ControlError):
+    """Only a failed push can be retried; `state` is the one it is in (answered 409 by the hub routes)."""
+
+    status = 409
+
+    def __init__(self, push_id: int, state: str) -> None:
+        super().__init__(f"hub push {push_id} is {state}; only a failed push can be retried", field="status")
+        self.state = state
+
+
+RecordRetry = Callable[[Session, HubPushRow], None]
+"""Writes the audit entry of an operator's retry, in the transaction that requeues the push."""
+
+
 def hub_target(name: str) -> HubTarget:
     target = HUB_TARGETS_BY_NAME.get(name)
     if target is None:
@@ -108,7 +128,7 @@ class HubPushService:
             raise NotFound(f"hub push {push_id} not found", field="push_id")
         return view
 
-    async def list(self, tenant: Tenant, limit: int, offset: int) -> tuple[list[PushView], int]:
+    async def list_pushes(self, tenant: Tenant, limit: int, offset: int) -> tuple[list[PushView], int]:
         if not 1 <= limit <= MAX_PAGE:
             raise Invalid(f"limit must be between 1 and {MAX_PAGE}, got {limit}", field="limit")
         if offset < 0:
@@ -120,6 +140,14 @@ class HubPushService:
                 return [_view(r) for r in rows], count_hub_pushes(db, TenantId(tenant.id))
 
         return await asyncio.to_thread(tx)
+
+    async def retry(self, tenant: Tenant, push_id: int) -> PushView:
+        """Queue the tenant's failed push again; `NotFound` for unknown and foreign ids alike."""
+        return await self._retry(HubPushId(push_id), TenantId(tenant.id), None)
+
+    async def retry_any(self, push_id: int, record: RecordRetry) -> PushView:
+        """Queue any tenant's failed push again (operators); `record` audits it in the same transaction."""
+        return await self._retry(HubPushId(push_id), None, record)
 
     async def put_credential(self, tenant: Tenant, hub: str, token: str) -> None:
         target = hub_target(hub)
@@ -145,6 +173,23 @@ class HubPushService:
             raise NotFound(f"no stored {hub} token", field="hub")
 
     # -- internals --------------------------------------------------------------------------------
+    async def _retry(self, push_id: HubPushId, tenant_id: TenantId | None, record: RecordRetry | None) -> PushView:
+        def tx() -> PushView:
+            with self._db.sessions.begin() as db:
+                found = requeue_failed_hub_push(db, push_id, tenant_id=tenant_id)
+                if found is None:
+                    raise NotFound(f"hub push {push_id} not found", field="push_id")
+                row, before = found
+                if before != "failed":
+                    raise NotRetryable(push_id, before)
+                if record is not None:
+                    record(db, row)
+                return _view(row)
+
+        view = await asyncio.to_thread(tx)
+        self._dispatcher.dispatch(view.id)  # after commit: the runner must find the push queued
+        return view
+
     def _create_tx(self, tenant_id: TenantId, target: HubTarget, uri: str, new: NewPush) -> PushView:
         with self._db.sessions.begin() as db:
             if target not in self._operator_hubs and get_hub_credential(db, tenant_id, target) is None:
