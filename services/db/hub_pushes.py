@@ -127,6 +127,28 @@ def finish_hub_push(db: Session, push_id: HubPushId, status: HubPushStatus, *, e
     return execute_count(db, stmt.values(**values)) == 1
 
 
+def requeue_failed_hub_push(
+    db: Session, push_id: HubPushId, *, tenant_id: TenantId | None = None
+) -> tuple[HubPushRow, HubPushStatus] | None:
+    """Put a failed push back in the queue (error and finish time cleared; `attempts` keeps counting).
+
+    Returns the row and the status it had: only a `failed` one is requeued, any other comes back
+    unchanged. None if there is no such push (of `tenant_id`, when given; None: any tenant's, for operators).
+    The row is locked, so two concurrent retries requeue it once.
+    """
+    stmt = select(HubPushRow).where(HubPushRow.id == push_id).with_for_update()
+    if tenant_id is not None:
+        stmt = stmt.where(HubPushRow.tenant_id == tenant_id)
+    row = db.scalars(stmt).one_or_none()
+    if row is None:
+        return None
+    before: HubPushStatus = row.status
+    if before == "failed":
+        row.status, row.error, row.finished_at = "queued", None, None
+        db.flush()
+    return row, before
+
+
 def unfinished_hub_push_ids(db: Session) -> list[HubPushId]:
     """Pushes queued or running (a restarted in-process executor picks them up again), oldest first."""
     stmt = select(HubPushRow.id).where(HubPushRow.status.in_(("queued", "running"))).order_by(HubPushRow.id)
