@@ -97,11 +97,13 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
 def _add_admin(app: FastAPI, settings: GatewaySettings, database: Database, metrics: ProcessMetrics,
                pass_token_budget: int | None) -> None:
     runtime_stats = getattr(app.state.control, "runtime_stats", None)
+    quota_standing = getattr(app.state.control, "quota_standing", None)  # optional, like runtime_stats
     install_admin(app, AdminConsole(
         database=database, auth=app.state.auth, metrics=metrics,
         runtime_stats=runtime_stats if callable(runtime_stats) else list,
         session_ttl=timedelta(minutes=settings.admin_session_minutes), page_size=settings.admin_page_size,
-        templates=make_templates(), pass_token_budget=pass_token_budget))
+        templates=make_templates(), pass_token_budget=pass_token_budget,
+        quota_standing=quota_standing if callable(quota_standing) else None, hub_pushes=app.state.hub))
 
 
 def _add_metrics_route(app: FastAPI, metrics: ProcessMetrics, control: ControlPlane) -> None:

@@ -1,9 +1,10 @@
 """What the admin dashboard needs and how its pages answer: the console's wiring, sessions, CSRF, responses.
 
 `AdminConsole` bundles the database, the authenticator (for logging in with an API key), the control
-plane's scheduler snapshots and the process's metrics. Every admin response goes through `page` or
-`redirect`, which set the headers that make the console safe to expose: a `'self'` Content-Security-Policy,
-no framing, no caching (a key shown once must not come back from a cache), no referrer.
+plane's scheduler snapshots and quota standing, the hub push service and the process's metrics. Every
+admin response goes through `page` or `redirect`, which set the headers that make the console safe to
+expose: a `'self'` Content-Security-Policy, no framing, no caching (a key shown once must not come back
+from a cache), no referrer.
 
 `admin_session` resolves the cookie to a live `AdminSession` (else a redirect to the login page);
 `check_csrf` compares a form's token with the session's in constant time and refuses a post whose
@@ -28,8 +29,11 @@ from sqlalchemy.orm import Session
 
 from gateway.auth import Authenticator
 from services.admin.sessions import AdminSession, resolve_session
+from services.auth.tenants import Tenant
 from services.control.api import RuntimeStats
+from services.control.quota_standing import QuotaStanding
 from services.db.database import Database
+from services.hub.service import HubPushService
 from services.metrics import ProcessMetrics
 
 COOKIE = "carpool_admin"
@@ -60,6 +64,10 @@ class AdminConsole:
     templates: Jinja2Templates
     pass_token_budget: int | None = None
     """Tokens the scheduler packs into one pass at most (shown against each pass's size)."""
+    quota_standing: Callable[[Tenant], QuotaStanding] | None = None
+    """A tenant's token bucket and last refusal from the limiter's store (blocking; None: not known here)."""
+    hub_pushes: HubPushService | None = None
+    """Retries failed hub pushes (None: hub pushes are not configured on this server)."""
 
     async def tx(self, work: Callable[[Session], _T]) -> _T:
         """Run `work` in one transaction on a worker thread (the event loop never waits on the database)."""

@@ -1,9 +1,12 @@
-"""The dashboard's read-only pages: overview, runs, requests, checkpoints, usage, workers, scheduler, audit.
+"""The dashboard's read pages: overview, runs, requests, checkpoints, usage, workers, scheduler, audit — and
+the checkpoints page's one action, retrying a failed hub push (a CSRF-checked, audited form post).
 
 Each page reads one page of rows through `services.admin.queries` (never a whole table) in one
 transaction off the event loop; filters come from the query string and bad values answer 400 naming the
-field. The overview's live table is also served alone (`/admin/overview/live`) for htmx to poll; without
-JavaScript the page still shows it and a refresh link.
+field. The scheduler page's "why refused" reads the tenant's token bucket and last refusal from the
+limiter's own store (`AdminConsole.quota_standing`), so it shows what the next request would meet. The
+overview's live table is also served alone (`/admin/overview/live`) for htmx to poll; without JavaScript
+the page still shows it and a refresh link.
 
 Charts are server-rendered SVG (`line_chart` for loss curves, `bar_chart` for usage per day), no JavaScript:
 built from numbers only (labels are escaped), with presentation attributes rather than inline styles (the
@@ -28,20 +31,26 @@ from gateway.admin.console import (
     SECURITY_HEADERS,
     BadParam,
     admin_session,
+    check_csrf,
     console_of,
     int_param,
     now,
     page,
+    redirect,
     text_param,
 )
 from services.admin import queries
+from services.admin.actions import Actor, record_hub_push_retry
 from services.admin.sessions import AdminSession
+from services.auth.tenants import Tenant
+from services.control.api import NotFound
 from services.db.audit import list_audit
 from services.db.ids import TenantId
 from services.db.models import REQUEST_STATUSES
 from services.db.request_log import count_unfinished_requests
 from services.db.runs import count_active_training_runs
 from services.db.tenants import get_tenant, get_tenant_by_name
+from services.hub.service import NotRetryable
 from services.metrics.process import histogram_mean, histogram_quantile
 
 router = APIRouter()
@@ -158,7 +167,28 @@ async def checkpoints(request: Request, session: Admin) -> Response:
                 "tenant": tenant_name}
 
     context = await console_of(request).tx(work)
-    return page(request, "checkpoints.html", {"session": session, **context, "active": "checkpoints"})
+    retried = int_param(request, "retried", default=0, low=0, high=2**62) or None
+    return page(request, "checkpoints.html", {"session": session, **context, "retried": retried,
+                                              "can_retry": console_of(request).hub_pushes is not None,
+                                              "active": "checkpoints"})
+
+
+@router.post("/checkpoints/pushes/{push_id}/retry")
+async def retry_push(request: Request, session: Admin, push_id: int) -> Response:
+    """Queue a failed push again (same push id, same runner or Celery task), audited as `hub_push.retry`."""
+    check_csrf(request, session, dict(await request.form()))
+    hub = console_of(request).hub_pushes
+    actor = Actor(session.tenant_id, session.key_prefix)
+    try:
+        if hub is None:
+            raise NotFound("hub pushes are not configured on this server")
+        view = await hub.retry_any(push_id, lambda db, row: record_hub_push_retry(db, actor, row))
+    except NotRetryable as exc:
+        return page(request, "error.html", {"session": session, "title": "Not retried", "field": "status",
+                                            "message": exc.message}, 409)
+    except NotFound as exc:
+        return page(request, "error.html", {"session": session, "title": "Not found", "message": exc.message}, 404)
+    return redirect(f"/admin/checkpoints?retried={view.id}")
 
 
 @router.get("/audit")
@@ -227,8 +257,10 @@ async def scheduler(request: Request, session: Admin) -> Response:
         if tenant_id is not None:
             row = get_tenant(db, TenantId(tenant_id))
             assert row is not None
+            read = console_of(request).quota_standing
             standing = {"tenant": row, "unfinished": count_unfinished_requests(db, TenantId(tenant_id)),
-                        "active_models": count_active_training_runs(db, TenantId(tenant_id))}
+                        "active_models": count_active_training_runs(db, TenantId(tenant_id)),
+                        "quotas": read(Tenant.from_row(row)) if read is not None else None}
         return {"passes": queries.recent_passes(db, limit=30),
                 "standings": queries.standings(db, since=now() - timedelta(hours=1)),
                 "tenant": tenant_name, "standing": standing}

@@ -1,4 +1,5 @@
-"""Audited operator actions: each change to a tenant, its keys or its quotas writes an audit entry with it.
+"""Audited operator actions: each change to a tenant, its keys or its quotas (or an operator's retry of a
+failed hub push) writes an audit entry with it.
 
 The CLI (`deploy.admin`) and the admin dashboard (`gateway.admin`) both call these, so "who changed what"
 is recorded the same way whichever door the operator used. Each function takes the caller's session and
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session
 from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key, issue_api_key
 from services.db.audit import record_audit
 from services.db.ids import ApiKeyId, TenantId
-from services.db.models import ApiKeyRow, TenantRow
+from services.db.models import ApiKeyRow, HubPushRow, TenantRow
 from services.db.tenants import (
     TenantQuotas,
     revoke_api_key,
@@ -98,3 +99,9 @@ def revoke_keys_by_prefix(session: Session, actor: Actor, prefix: str) -> int:
             _audit(session, actor, "key.revoke", "api_key", prefix, owner, {"prefix": prefix, "count": revoked})
         count += revoked
     return count
+
+
+def record_hub_push_retry(session: Session, actor: Actor, push: HubPushRow) -> None:
+    """The audit entry of an operator's retry of a failed push (written in the transaction that requeues it)."""
+    _audit(session, actor, "hub_push.retry", "hub_push", str(push.id), push.tenant_id,
+           {"tinker_path": push.tinker_path, "repo": push.repo, "attempts": push.attempts})

@@ -44,6 +44,7 @@ from services.control.futures import FutureOps
 from services.control.jwt_tokens import JwtAuth, TokenSigner
 from services.control.models import ModelOps
 from services.control.projects import ProjectOps
+from services.control.quota_standing import QuotaStanding
 from services.control.quotas import QuotaGate, QuotaStore
 from services.control.registry import ModelRegistry, ServedModel
 from services.control.samplers import LoadLedger, SamplerBindings, SamplerDirectory
@@ -225,6 +226,10 @@ class ServiceControlPlane:
     # -- introspection ----------------------------------------------------------------------------
     def runtime_stats(self) -> list[RuntimeStats]:
         return self.ctx.registry.runtime_stats()
+
+    def quota_standing(self, tenant: Tenant) -> QuotaStanding:
+        """The tenant's token bucket and last quota refusal, from the limiter's own store (blocking: Redis)."""
+        return self.ctx.quotas.standing(tenant)
 
     # -- the rest of the SDK surface ------------------------------------------------------------
     async def retrieve_futures(self, tenant: Tenant, sampling_id: SamplingSessionId, clone: int,

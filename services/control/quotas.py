@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from sqlalchemy import func, select
@@ -43,6 +43,7 @@ from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import ControlError, Invalid, QuotaExceeded
+from services.control.quota_standing import QuotaStanding, bucket_key, read_standing, remember_refusal
 from services.db.checkpoints import checkpoint_storage_bytes
 from services.db.ids import ModelId, TenantId
 from services.db.models import CheckpointRow, RequestRow, SamplingSessionRow, SessionRow
@@ -108,6 +109,16 @@ class QuotaStore(Protocol):
 
     def marked(self, key: str) -> bool: ...
 
+    def level(self, key: str, capacity: int, window_s: float) -> float:
+        """Tokens in `key`'s bucket now (full when unknown), as `take` would see them; changes nothing."""
+        ...
+
+    def note(self, key: str, text: str, ttl_s: float) -> None:
+        """Keep `text` under `key` for `ttl_s` (what refused a tenant last, for the operators' view)."""
+        ...
+
+    def noted(self, key: str) -> str | None: ...
+
 
 class InProcessQuotaStore:
     """`QuotaStore` in this process's memory (embedded mode: one gateway process)."""
@@ -119,6 +130,8 @@ class InProcessQuotaStore:
         """key → (tokens, time of that level)."""
         self._markers: dict[str, float] = {}
         """key → expiry."""
+        self._notes: dict[str, tuple[str, float]] = {}
+        """key → (text, expiry)."""
 
     def take(self, key: str, amount: int, capacity: int, window_s: float) -> float:
         rate = capacity / window_s
@@ -142,6 +155,23 @@ class InProcessQuotaStore:
         with self._lock:
             return self._markers.get(key, float("-inf")) > self._clock()
 
+    def level(self, key: str, capacity: int, window_s: float) -> float:
+        with self._lock:
+            now = self._clock()
+            level, since = self._buckets.get(key, (float(capacity), now))
+        return min(float(capacity), level + max(0.0, now - since) * capacity / window_s)
+
+    def note(self, key: str, text: str, ttl_s: float) -> None:
+        with self._lock:
+            now = self._clock()
+            self._notes = {k: v for k, v in self._notes.items() if v[1] > now}  # one per recently refused tenant
+            self._notes[key] = (text, now + ttl_s)
+
+    def noted(self, key: str) -> str | None:
+        with self._lock:
+            text, expiry = self._notes.get(key, ("", float("-inf")))
+            return text if expiry > self._clock() else None
+
 
 # A token bucket kept as a hash {level, ts}; Redis's own clock, so every gateway process agrees on time.
 # Returns a string: Redis would truncate a Lua number to an integer.
@@ -162,6 +192,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return tostring(wait)
 """
 
+# The same level `_TAKE_SCRIPT` computes, on the same clock, without writing anything (the admin view).
+_LEVEL_SCRIPT = """
+local now_parts = redis.call('TIME')
+local now = tonumber(now_parts[1]) + tonumber(now_parts[2]) / 1000000
+local capacity = tonumber(ARGV[1])
+local state = redis.call('HMGET', KEYS[1], 'level', 'ts')
+local level = tonumber(state[1]) or capacity
+local since = tonumber(state[2]) or now
+return tostring(math.min(capacity, level + math.max(0, now - since) * tonumber(ARGV[2])))
+"""
+
 
 class RedisQuotaStore:
     """`QuotaStore` on Redis, shared by every gateway process (cluster mode).
@@ -174,6 +215,7 @@ class RedisQuotaStore:
         self._client = client
         self._prefix = f"{prefix}:quota"
         self._take = client.register_script(_TAKE_SCRIPT)
+        self._level = client.register_script(_LEVEL_SCRIPT)
 
     def take(self, key: str, amount: int, capacity: int, window_s: float) -> float:
         ttl_ms = int(window_s * 1000) + 1000
@@ -185,6 +227,17 @@ class RedisQuotaStore:
 
     def marked(self, key: str) -> bool:
         return bool(self._client.exists(f"{self._prefix}:mark:{key}"))
+
+    def level(self, key: str, capacity: int, window_s: float) -> float:
+        level = self._level(keys=[f"{self._prefix}:bucket:{key}"], args=[capacity, capacity / window_s])
+        return float(level.decode() if isinstance(level, bytes) else level)
+
+    def note(self, key: str, text: str, ttl_s: float) -> None:
+        self._client.set(f"{self._prefix}:note:{key}", text.encode(), px=max(1, int(ttl_s * 1000)))
+
+    def noted(self, key: str) -> str | None:
+        raw = self._client.get(f"{self._prefix}:note:{key}")
+        return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
 class QuotaGate:
@@ -204,8 +257,9 @@ class QuotaGate:
             return
         active = count_active_training_runs(db, TenantId(tenant.id))
         if active >= limit:
-            raise QuotaExceeded(f"tenant {tenant.name} already has {active} models, its limit is {limit}; "
-                                "unload one first", retry_after_s=self.options.models_retry_after_s)
+            raise self._refuse(tenant, "max_models", QuotaExceeded(
+                f"tenant {tenant.name} already has {active} models, its limit is {limit}; unload one first",
+                retry_after_s=self.options.models_retry_after_s))
 
     def check_concurrency(self, db: Session, tenant: Tenant, *, model_id: ModelId | None = None,
                           seq_id: int | None = None) -> None:
@@ -217,8 +271,9 @@ class QuotaGate:
             return
         unfinished = count_unfinished_requests(db, TenantId(tenant.id))
         if unfinished >= limit:
-            raise QuotaExceeded(f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is "
-                                f"{limit}", retry_after_s=self.options.concurrency_retry_after_s)
+            raise self._refuse(tenant, "max_concurrent_requests", QuotaExceeded(
+                f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is {limit}",
+                retry_after_s=self.options.concurrency_retry_after_s))
 
     def check_storage(self, db: Session, tenant: Tenant, *, replacing: bool = False) -> None:
         """Before a named save: `Invalid` (400) when the tenant's stored checkpoints reach a limit.
@@ -232,15 +287,16 @@ class QuotaGate:
         if count_limit is not None and not replacing:
             stored = count_tenant_checkpoints(db, tenant_id)
             if stored >= count_limit:
-                raise Invalid(f"tenant {tenant.name} stores {stored} checkpoints, its limit (max_checkpoints) is "
-                              f"{count_limit}; delete some or let their TTL expire", field="max_checkpoints")
+                raise self._refuse(tenant, "max_checkpoints", Invalid(
+                    f"tenant {tenant.name} stores {stored} checkpoints, its limit (max_checkpoints) is "
+                    f"{count_limit}; delete some or let their TTL expire", field="max_checkpoints"))
         bytes_limit = limits["max_checkpoint_bytes"]
         if bytes_limit is not None:
             used = checkpoint_storage_bytes(db, tenant_id)
             if used >= bytes_limit:
-                raise Invalid(f"tenant {tenant.name} stores {used} bytes of checkpoints, its limit "
-                              f"(max_checkpoint_bytes) is {bytes_limit}; delete some or let their TTL expire",
-                              field="max_checkpoint_bytes")
+                raise self._refuse(tenant, "max_checkpoint_bytes", Invalid(
+                    f"tenant {tenant.name} stores {used} bytes of checkpoints, its limit (max_checkpoint_bytes) "
+                    f"is {bytes_limit}; delete some or let their TTL expire", field="max_checkpoint_bytes"))
 
     def storage_limits(self, tenant: Tenant) -> dict[str, int | None]:
         """`max_checkpoints` / `max_checkpoint_bytes` in force for the tenant (None: unlimited)."""
@@ -253,16 +309,17 @@ class QuotaGate:
         """Before creating a session: `QuotaExceeded` at the tenant's limit of unfinished sessions."""
         limit = _first_set(tenant.quotas.max_sessions, self.options.default_max_sessions)
         if limit is not None and (live := count_live_sessions(db, TenantId(tenant.id))) >= limit:
-            raise QuotaExceeded(f"tenant {tenant.name} has {live} unfinished sessions, its limit (max_sessions) is "
-                                f"{limit}", retry_after_s=self.options.holdings_retry_after_s)
+            raise self._refuse(tenant, "max_sessions", QuotaExceeded(
+                f"tenant {tenant.name} has {live} unfinished sessions, its limit (max_sessions) is {limit}",
+                retry_after_s=self.options.holdings_retry_after_s))
 
     def check_sampling_sessions(self, db: Session, tenant: Tenant) -> None:
         """Before creating a sampling session: `QuotaExceeded` at the tenant's limit."""
         limit = _first_set(tenant.quotas.max_sampling_sessions, self.options.default_max_sampling_sessions)
         if limit is not None and (live := count_live_sampling_sessions(db, TenantId(tenant.id))) >= limit:
-            raise QuotaExceeded(f"tenant {tenant.name} has {live} sampling sessions, its limit "
-                                f"(max_sampling_sessions) is {limit}",
-                                retry_after_s=self.options.holdings_retry_after_s)
+            raise self._refuse(tenant, "max_sampling_sessions", QuotaExceeded(
+                f"tenant {tenant.name} has {live} sampling sessions, its limit (max_sampling_sessions) is {limit}",
+                retry_after_s=self.options.holdings_retry_after_s))
 
     def charge_tokens(self, tenant: Tenant, tokens: int) -> None:
         """Take an accepted request's tokens from the tenant's bucket, or refuse it."""
@@ -272,10 +329,22 @@ class QuotaGate:
         if tokens > limit:
             raise Invalid(f"the request holds {tokens} tokens, more than tenant {tenant.name}'s limit of {limit} "
                           f"tokens per minute; send smaller batches", field="data")
-        wait_s = self.store.take(f"tpm:{tenant.id}", tokens, limit, self.options.token_window_s)
+        wait_s = self.store.take(bucket_key(tenant.id), tokens, limit, self.options.token_window_s)
         if wait_s > 0:
-            raise QuotaExceeded(f"tenant {tenant.name} is over its limit of {limit} tokens per minute; this "
-                                f"request's {tokens} tokens fit in {wait_s:.1f} s", retry_after_s=wait_s)
+            raise self._refuse(tenant, "tokens_per_minute", QuotaExceeded(
+                f"tenant {tenant.name} is over its limit of {limit} tokens per minute; this request's {tokens} "
+                f"tokens fit in {wait_s:.1f} s", retry_after_s=wait_s))
+
+    def standing(self, tenant: Tenant) -> QuotaStanding:
+        """The tenant's token bucket and last refusal, read (never taken) from this gate's store."""
+        limit = _first_set(tenant.quotas.tokens_per_minute, self.options.default_tokens_per_minute)
+        return read_standing(self.store, tenant.id, limit, self.options.token_window_s)
+
+    def _refuse(self, tenant: Tenant, quota: str, error: ControlError) -> ControlError:
+        """Remember the refusal for the operators' "why refused" view, then hand `error` back to be raised."""
+        wait = error.retry_after_s if isinstance(error, QuotaExceeded) else None
+        remember_refusal(self.store, tenant.id, quota, error.message, wait, datetime.now(UTC))
+        return error
 
     def refused(self, tenant: Tenant, model_id: ModelId, seq_id: int, retry_after_s: float,
                 consume: ConsumeSeqId) -> None:
