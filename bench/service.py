@@ -18,8 +18,9 @@ The server runs torch with `--torch-threads` intra-op threads (default 1, as `be
 cores OpenMP threads spin-waiting between passes would be billed as CPU and bury the service's share).
 
 The last line is machine-readable (ratios single / multi for CPU per token; higher is better, 1 = packing
-costs nothing):
-RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_multi=X train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
+costs nothing), one line:
+RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_multi=X
+       train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
 
     .venv/bin/python bench/service.py [--quick] [--tenants 8] [--seconds 20] [--rounds 2] [--mode embedded]
 """
