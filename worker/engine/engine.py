@@ -34,6 +34,7 @@ from worker.engine.adapters import AdapterState, new_adapter
 from worker.engine.banks import order_key
 from worker.engine.checkpoints import build_adapter, read_checkpoint, snapshot, write_checkpoint
 from worker.engine.deferred_steps import DeferredSteps
+from worker.engine.grad_guard import GradGuard
 from worker.engine.host_memory import keep_freed_memory
 from worker.engine.model import LoadedModel, load_base_model
 from worker.engine.optim import prepare_step
@@ -144,8 +145,16 @@ class Engine:
             self.apply_pending_steps()
             results: list[ForwardBackwardResult | WorkError | None] = [None] * len(works)
             runnable = self._admit(works, results)
-            items = self._items(works, runnable)
-            outputs = self._run_micro_batches(items)
+            items, trained = self._items(works, runnable)
+            guard = GradGuard(trained)
+            try:
+                outputs = self._run_micro_batches(items)
+            except BaseException:
+                # Earlier micro-batches' gradients must not stay: the call's requests run again one by one.
+                guard.restore()
+                raise
+            for state in trained:
+                state.pending_grad_passes += 1
             for i in runnable:
                 results[i] = self._result(works[i], [outputs[(i, j)] for j in range(len(works[i].data))])
             return [r for r in results if r is not None]
@@ -165,9 +174,11 @@ class Engine:
                 results[i] = WorkError(str(exc), "user")
         return runnable
 
-    def _items(self, works: Sequence[ForwardBackwardWork], runnable: list[int]) -> list[PackedItem]:
+    def _items(self, works: Sequence[ForwardBackwardWork],
+               runnable: list[int]) -> tuple[list[PackedItem], list[AdapterState]]:
         """Datums grouped by adapter so each adapter is one contiguous segment, adapters in bank order (a
-        grouped pass then reads their factors as consecutive bank rows, without copying them)."""
+        grouped pass then reads their factors as consecutive bank rows, without copying them); and the
+        adapters the call trains."""
         pinned = {works[i].adapter_id for i in runnable if works[i].adapter_id is not None}
         trains = {works[i].adapter_id for i in runnable if not works[i].forward_only}
         # Every adapter resident first: bringing one back may move others' rows (a bank growing).
@@ -183,10 +194,8 @@ class Engine:
                                   loss_config=dict(work.loss_config), train=not work.forward_only,
                                   custom_loss=work.custom_loss, request=i)
                 by_adapter.setdefault(work.adapter_id, []).append(item)
-        for aid in trains:
-            states[aid].pending_grad_passes += 1
         ordered = sorted(by_adapter, key=lambda aid: order_key(states[aid]) if aid is not None else (-1, 0))
-        return [item for aid in ordered for item in by_adapter[aid]]
+        return [item for aid in ordered for item in by_adapter[aid]], [states[aid] for aid in trains]
 
     def _run_micro_batches(self, items: list[PackedItem]) -> dict[object, ItemOutput]:
         outputs: dict[object, ItemOutput] = {}
