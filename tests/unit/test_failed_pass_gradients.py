@@ -15,8 +15,15 @@ import pytest
 import torch
 
 import worker.engine.engine as engine_module
-from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardResult, ForwardBackwardWork
-from services.domain.training import LoraSpec, WorkError
+from services.domain.training import (
+    AdamParams,
+    AdapterId,
+    Datum,
+    ForwardBackwardResult,
+    ForwardBackwardWork,
+    LoraSpec,
+    WorkError,
+)
 from services.runtime.commands import ForwardBackward
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import LoopCounters
