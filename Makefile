@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install test test-fast lint run bench services clean helm-dashboards helm-example
+.PHONY: install test test-fast lint run bench services clean fuzz chaos helm-dashboards helm-example
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,15 @@ lint: install
 
 run: install
 	$(VENV)/bin/carpool serve $(ARGS)
+
+# The reliability suite at full size (docs/reliability.md); `make test` runs the same tests bounded.
+fuzz: install services
+	DECODER_FUZZ_EXAMPLES=2000 FUZZ_EXAMPLES=70 CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -p no:randomly \
+		tests/unit/test_decoder_fuzz.py tests/e2e/test_fuzz_openapi.py tests/e2e/test_ownership_matrix.py $(PYTEST_ARGS)
+
+chaos: install services
+	CHAOS_ROUNDS=6 CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -p no:randomly tests/integration/test_chaos.py \
+		tests/integration/test_double_apply_window.py $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/packing.py

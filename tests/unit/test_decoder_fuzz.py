@@ -8,7 +8,7 @@ lengths, JSON with wrong types, NaN/inf, negative and huge ids and lengths, zstd
 bombs. The property is the gateway's contract: the decode succeeds, or it raises `WireError` /
 `InvalidWork` (which the gateway answers as a 400 with `field`), never anything else (a 500).
 
-Sizes: `FUZZ_EXAMPLES` examples per property (default 150, `make fuzz` raises it). No deadline: hypothesis'
+Sizes: `DECODER_FUZZ_EXAMPLES` examples per property (default 150; `make fuzz` runs 2,000). No deadline:
 per-example timing would be a timed assertion on a shared 2-core box; a hang is caught by pytest-timeout.
 """
 
@@ -36,7 +36,7 @@ from services.wire.convert import forward_backward_work, parse_forward_backward_
 from services.wire.errors import WireError
 from services.wire.proto import CONTENT_TYPE_PROTOBUF, decompress_body
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("DECODER_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                 database=None)
 MAX_BODY = 1 << 20
