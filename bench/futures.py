@@ -8,7 +8,9 @@ that flag turned off in its copy of `client/config` (what every Tinker-compatibl
 poller gets). Rounds alternate between the modes (batched first in odd rounds), each with a fresh sampling
 session. Requests are counted by the server (`carpool_http_requests_total` of `retrieve_future` and
 `retrieve_futures`, read from /metrics before and after a round); submissions (`asample`) are the same in both
-modes and not counted. Wall time runs from the first submission to the last result.
+modes and not counted. Wall time runs from the first submission to the last result. The server's open
+`retrieve_future` long-polls (`carpool_long_polls_in_flight`) are sampled every 0.25 s: the batched poller's
+gain on a server is mostly there (one held poll per sampling client instead of one per outstanding future).
 
 Note what the protocol leaves: in SDK 0.38 a completion reported by `retrieve_futures` is still fetched with one
 `retrieve_future` (the payload), so the batched mode's floor is N fetches plus its few polls; the one-by-one
@@ -29,6 +31,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,32 @@ class Round:
     wall_s: float
     requests: int
     batched_polls: int
+    peak_open_polls: int
+    """Most `retrieve_future` long-polls held open at once (`carpool_long_polls_in_flight`, sampled)."""
+
+
+class PeakSampler:
+    """Samples the server's open-long-poll gauge in a thread while a round runs."""
+
+    def __init__(self, server: Server, period_s: float = 0.25) -> None:
+        self._server, self._period_s, self.peak = server, period_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.wait(self._period_s):
+                for line in client.get(f"{self._server.url}/metrics").text.splitlines():
+                    if line.startswith("carpool_long_polls_in_flight"):
+                        self.peak = max(self.peak, int(float(line.split()[-1])))
 
 
 def poll_requests(server: Server) -> dict[str, int]:
@@ -86,14 +115,15 @@ def run_round(server: Server, service: tinker.ServiceClient, mode: str, n: int, 
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
     sampler.sample(prompt, 1, params).result()  # warm: the session exists, the poller (if any) is started
     before = poll_requests(server)
-    started = time.perf_counter()
-    futures = [sampler.sample(prompt, 1, params) for _ in range(n)]
-    for future in futures:
-        assert len(future.result().sequences) == 1
-    wall = time.perf_counter() - started
+    with PeakSampler(server) as open_polls:
+        started = time.perf_counter()
+        futures = [sampler.sample(prompt, 1, params) for _ in range(n)]
+        for future in futures:
+            assert len(future.result().sequences) == 1
+        wall = time.perf_counter() - started
     after = poll_requests(server)
     delta = {route: after[route] - before[route] for route in POLL_ROUTES}
-    return Round(mode, wall, sum(delta.values()), delta["/api/v1/retrieve_futures"])
+    return Round(mode, wall, sum(delta.values()), delta["/api/v1/retrieve_futures"], open_polls.peak)
 
 
 def main() -> None:
@@ -124,7 +154,8 @@ def main() -> None:
                     rounds.append(run_round(server, clients[mode], mode, args.futures, args.max_tokens))
                     r = rounds[-1]
                     print(f"round {i + 1} {mode:8s} wall {r.wall_s:7.2f} s  poll requests {r.requests:6d} "
-                          f"(retrieve_futures {r.batched_polls})", flush=True)
+                          f"(retrieve_futures {r.batched_polls}), peak open long-polls {r.peak_open_polls}",
+                          flush=True)
             for client in clients.values():
                 client.close("success").result()
         finally:
@@ -137,7 +168,8 @@ def main() -> None:
     requests_ratio = median("single", "requests") / max(1.0, median("batched", "requests"))
     print(f"\n{args.futures} outstanding sampling futures, medians of {args.rounds} rounds per mode:")
     for mode, label in (("batched", "batched poller"), ("single", "one-by-one")):
-        print(f"  {label:15s}: {median(mode, 'wall_s'):7.2f} s, {median(mode, 'requests'):8.0f} poll requests")
+        print(f"  {label:15s}: {median(mode, 'wall_s'):7.2f} s, {median(mode, 'requests'):8.0f} poll requests, "
+              f"{median(mode, 'peak_open_polls'):6.0f} peak open long-polls")
     print(f"RESULT batched_vs_single_wall={wall_ratio:.2f} requests_ratio={requests_ratio:.2f}")
 
 

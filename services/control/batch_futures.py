@@ -25,10 +25,12 @@ from services.db.sdk_surface import completions_after, join_sampling_session, un
 
 MAX_COMPLETIONS = 1000
 """Completions per answer; the client asks again at once with the new cursor when there are more."""
-WAKE_ON = 8
+WAKE_ON = 32
 """Unfinished requests whose completion wakes a held poll (the oldest: they tend to finish first)."""
-RECHECK_S = 1.0
-"""Longest a held poll sleeps between looks (a request of the target may finish without waking it)."""
+RECHECK_S = 0.2
+"""Longest a held poll sleeps between looks: a request of the target outside the `WAKE_ON` oldest finishes
+without waking it (batched sampling finishes them out of order), and one indexed query costs far less than
+leaving a finished sample unreported."""
 
 
 class BatchFutureOps:
