@@ -71,6 +71,9 @@ def celery_app(broker_url: str, *, prefix: str = "carpool") -> Any:
         broker_transport_options={"global_keyprefix": f"{prefix}:celery:", "visibility_timeout": 3600},
         broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
         task_serializer="json", accept_content=["json"],
+        # A gateway must answer (503) soon when the broker is down, not hang in publish retries.
+        broker_connection_timeout=5, task_publish_retry_policy={
+            "max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1},
     )
     return app
 

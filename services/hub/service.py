@@ -21,7 +21,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
-from services.control.api import ControlError, Invalid, NotFound
+from services.control.api import ControlError, Invalid, NotFound, Unavailable
 from services.control.models import parse_path
 from services.db import Database
 from services.db.errors import NotFoundError
@@ -29,6 +29,7 @@ from services.db.hub_pushes import (
     count_hub_pushes,
     create_hub_push,
     delete_hub_credential,
+    finish_hub_push,
     get_hub_credential,
     get_hub_push,
     list_hub_pushes,
@@ -114,7 +115,7 @@ class HubPushService:
         _check_push(new)
         parsed = parse_path(new.tinker_path, "tinker_path")
         view = await asyncio.to_thread(self._create_tx, TenantId(tenant.id), target, parsed.uri, new)
-        self._dispatcher.dispatch(view.id)
+        await self._dispatch(view)
         return view
 
     async def get(self, tenant: Tenant, push_id: int) -> PushView:
@@ -187,8 +188,23 @@ class HubPushService:
                 return _view(row)
 
         view = await asyncio.to_thread(tx)
-        self._dispatcher.dispatch(view.id)  # after commit: the runner must find the push queued
+        await self._dispatch(view)  # after commit: the runner must find the push queued
         return view
+
+    async def _dispatch(self, view: PushView) -> None:
+        """Hand the push over; if that fails (broker down) it is marked failed, retryable, and the caller gets 503."""
+        try:
+            self._dispatcher.dispatch(view.id)
+        except Exception as exc:  # noqa: BLE001 - any broker failure: the push must not stay queued forever
+            error = f"the push could not be queued ({type(exc).__name__}: {exc}); retry it later"
+
+            def tx() -> None:
+                with self._db.sessions.begin() as db:
+                    finish_hub_push(db, HubPushId(view.id), "failed", error=error)
+
+            await asyncio.to_thread(tx)
+            raise Unavailable(f"hub push {view.id} could not be queued; retry it with "
+                              f"POST /v1/hub_pushes/{view.id}/retry", field="hub") from exc
 
     def _create_tx(self, tenant_id: TenantId, target: HubTarget, uri: str, new: NewPush) -> PushView:
         with self._db.sessions.begin() as db:

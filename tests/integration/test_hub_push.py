@@ -322,3 +322,22 @@ def test_operator_token_serves_tenants_without_their_own(stack: Stack) -> None:
     assert stack.hf.calls[-1][2]["token"] == "hf_operator_token"
     # ModelScope has no operator token here: the tenant still needs its own.
     assert _push(stack, headers, tinker_path=path, hub="modelscope", repo_id="acme/op").status_code == 400
+
+
+def test_broker_down_fails_the_push_clearly_and_it_can_be_retried(stack: Stack) -> None:
+    from tests.s3_support import free_port
+
+    tenant, headers = stack.tenant("acme")
+    path = stack.checkpoint(tenant)
+    stack.http.put("/v1/hub_credentials/huggingface", json={"token": TOKEN}, headers=headers)
+    working = stack.http.app.state.hub
+    down = celery_app(f"redis://127.0.0.1:{free_port()}/0", prefix="carpool-hubtest-down")  # nothing listens
+    stack.http.app.state.hub = HubPushService(stack.harness.db, stack.cipher, CeleryDispatcher(down))
+    answer = _push(stack, headers, tinker_path=path, hub="huggingface", repo_id="acme/later")
+    assert answer.status_code == 503 and "/retry" in answer.json()["detail"]
+    pushes = stack.http.get("/v1/hub_pushes", headers=headers).json()["hub_pushes"]
+    assert pushes[0]["status"] == "failed" and "could not be queued" in pushes[0]["error"]
+    stack.http.app.state.hub = working  # the broker is back
+    retried = stack.http.post(f"/v1/hub_pushes/{pushes[0]['id']}/retry", headers=headers)
+    assert retried.status_code == 202
+    assert stack.wait(headers, pushes[0]["id"])["status"] == "done"
