@@ -37,13 +37,12 @@ from services.runtime.recovery import (
     DatabasePositions,
     GuardedQueue,
     RecoveringScheduler,
-    ResultsFirstHook,
     RetryingHook,
     SchedulerLease,
 )
 from services.runtime.redis_replicas import ClusterKeys, RedisReplicaLink
 from services.runtime.replica_pool import PoolConfig, ReplicaPool, TrackingHook
-from services.runtime.reporting import CompletionHook
+from services.runtime.reporting import CompletionHook, StoreResults
 from services.scheduler.requests import Completion, QueuedRequest
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class SchedulerService:
                            config, fence=self.lease.fence)
         positions = DatabasePositions(self._db, lambda request_id: results.get_nowait(request_id) is not None)
         limits = embedded_scheduler(settings).limits  # the same limits as the embedded scheduler's
-        recording = ResultsFirstHook(results, RetryingHook(DatabaseCompletionHook(self._db)))
+        recording = RetryingHook(DatabaseCompletionHook(self._db))
         hook = TrackingHook(pool.context, _PublishingHook(recording, self._publish_stats))
         queue = GuardedQueue(RedisWorkQueue(client, prefix=prefix, consumer=self.holder), client)
         loop = SchedulerLoop(self.base_model, pool, queue, results, RedisNotifier(client, prefix=prefix),
@@ -152,6 +151,7 @@ class _PublishingHook:
     def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         self._inner.started(requests, pass_id)
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
         self._publish()
-        return self._inner.finished(completions, pass_id)
+        return self._inner.finished(completions, pass_id, store)

@@ -2,10 +2,11 @@
 
 On completion a plan item's requests become `done` (with their token count, pass id — which joins the request
 log with pass logs — and start time) or `failed` (with the error and its category), a successful save writes
-its checkpoint row, and usage is added to the tenant's hourly bucket, all in one transaction that ends before
-the loop stores and announces the results (a client holding a result finds its request finished and
-counted). A save whose checkpoint row cannot be written (its name was taken meanwhile) fails as a user error
-rather than handing the client a path nobody can resolve.
+its checkpoint row, and usage is added to the tenant's hourly bucket, all in one transaction. The final
+results are stored (the loop's `StoreResults`) just before it commits: a poll that reads "finished" finds
+the result, and a client holding a result finds its request finished a moment later at most. A save
+whose checkpoint row cannot be written (its name was taken meanwhile) fails as a user error rather than
+handing the client a path nobody can resolve.
 
 The `running` state is written only for items still in flight `running_after_s` after they started, by a
 `RunningMarker` thread alongside the item: a commit before every pass would sit on the loop thread's critical
@@ -36,6 +37,7 @@ from services.db.usage import record_usage
 from services.domain.sampling import SampleResult
 from services.domain.training import ForwardBackwardResult, WorkError
 from services.runtime.commands import CheckpointRecord, ForwardBackward, Save
+from services.runtime.reporting import StoreResults
 from services.scheduler.requests import Completion, QueuedRequest
 
 log = logging.getLogger(__name__)
@@ -62,10 +64,13 @@ class DatabaseCompletionHook:
         else:
             mark_running(self._db, item)
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
         started_at = self._marker.started_at(pass_id) if self._marker and pass_id else None
         with self._db.sessions.begin() as db:
             final = [self._finish(db, completion, pass_id, started_at) for completion in completions]
+            db.flush()  # a save's checkpoint row conflict shows here, before any result is stored
+            store(final)  # before the commit makes the requests finished for a poll
         if self._marker is not None and pass_id is not None:
             self._marker.forget(pass_id)  # only after the commit: a retried call still knows the start time
         return final

@@ -1,13 +1,16 @@
 """`SchedulerLoop`: the thread that drives one base model's `Backend` from the work queue.
 
     claim (WorkQueue) ─▶ Scheduler.submit ─▶ Scheduler.step ─▶ Dispatcher (barriers, packed passes,
-    sample batches) ─▶ Scheduler.complete ─▶ CompletionHook ─▶ ResultStore.put ─▶ Notifier.publish ─▶ ack
+    sample batches) ─▶ Scheduler.complete ─▶ CompletionHook (ResultStore.put, then "done")
+    ─▶ Notifier.publish ─▶ ack
 
 One loop owns one `Scheduler` (which is not thread-safe by design) and one backend. Results are stored
-before they are announced and queue entries acked only after that, so a crash in between redelivers
-work instead of losing it. Markers (`CONSUMED`) and duplicate deliveries produce no result of their own
-and are acked at once. Nothing that goes wrong in one iteration stops the loop: backend failures become
-error results (see `dispatch`), anything else is logged and the loop carries on.
+before their requests are logged finished (the hook stores them through the loop before it commits: a
+poll that reads "done" finds the result), announced after that, and queue entries acked last, so a
+crash in between redelivers work instead of losing it. Markers (`CONSUMED`) and duplicate deliveries
+produce no result of their own and are acked at once. Nothing that goes wrong in one iteration stops
+the loop: backend failures become error results (see `dispatch`), anything else is logged and the loop
+carries on.
 """
 
 from __future__ import annotations
@@ -189,30 +192,46 @@ class SchedulerLoop:
             log.exception("%s: completion hook failed on start of %s", self.base_model, pass_id)
 
     def _deliver(self, completions: Sequence[Completion], pass_id: str | None) -> None:
-        """Store and announce results, then ack their queue entries."""
+        """Record (the hook stores the results before it marks the requests finished), announce, then ack."""
         if not completions:
             return
-        final = self._amend(completions, pass_id)
+        final = self._record(completions, pass_id)
         for completion in final:
-            self._results.put(completion.request_id, StoredResult.from_completion(completion),
-                              self._config.result_ttl_s)
             self._notifier.publish(completion.request_id)
         acked = [d for c in final for d in self._deliveries.pop(c.request_id, [])]
         if acked:
             self._queue.ack(self.base_model, acked)
         self._counters.record_completions(final)
 
-    def _amend(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+    def _record(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+        """The hook's final completions, whose results are stored by the time it returns."""
+        stored: list[Sequence[Completion]] = []
+
+        def store(final: Sequence[Completion]) -> None:
+            self._store(final)
+            stored.append(final)
+
         try:
-            amended = self._hook.finished(completions, pass_id)
+            amended = list(self._hook.finished(completions, pass_id, store))
         except Exception:  # noqa: BLE001 - the client must get its result even if bookkeeping failed
             log.exception("%s: completion hook failed for %s", self.base_model, pass_id or "refusals")
-            return list(completions)
+            amended = list(stored[-1]) if stored else list(completions)  # what a poll may have read already
         if len(amended) != len(completions):
             log.error("%s: completion hook returned %d of %d completions; using the originals",
                       self.base_model, len(amended), len(completions))
-            return list(completions)
+            amended = list(completions)
+        if not stored or not _same(stored[-1], amended):
+            self._store(amended)  # a hook that did not store (or stored something else): store what counts
         return amended
+
+    def _store(self, completions: Sequence[Completion]) -> None:
+        for completion in completions:
+            self._results.put(completion.request_id, StoredResult.from_completion(completion),
+                              self._config.result_ttl_s)
+
+
+def _same(a: Sequence[Completion], b: Sequence[Completion]) -> bool:
+    return len(a) == len(b) and all(x.request is y.request and x.result is y.result for x, y in zip(a, b, strict=True))
 
 
 class TenantActivity:

@@ -12,11 +12,8 @@ Outages. `RetryingHook` retries the database hook while PostgreSQL is unreachabl
 for the database instead of delivering results whose request rows never leave `running` (that would
 also mislead a later take-over). `retry_database` does the same for any other call.
 
-Order. The loop lets its hook log a request as finished before it stores the result; in one process
-that gap is microseconds, across a Redis hiccup or a scheduler crash it is long enough for a client to
-read "finished, result gone". `ResultsFirstHook` stores each result before the database hook logs it
-(the loop's own store afterwards rewrites the same value). Saves are the exception: the database hook
-may turn a save into a failure (its checkpoint row cannot be written), so they keep the loop's order.
+Order. The loop's hook stores each result before it logs the request as finished
+(`services.runtime.reporting.StoreResults`), so a take-over or a poll never reads "finished, result gone".
 
 Lease. At most one scheduler per base model is active: `SchedulerLease` SETs `{p}:lease:{base}` NX with a
 TTL and renews it every third of the TTL; a standby polls the same SET NX and takes over once the key
@@ -54,11 +51,10 @@ from services.db.database import Database
 from services.db.models import RequestRow, TrainingRunRow
 from services.db.request_log import UNFINISHED
 from services.jobqueue.codec import CodecError, decode_request
-from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, Delivery, ResultStore, StoredResult
+from services.jobqueue.protocol import Delivery
 from services.jobqueue.redis_queue import DEFAULT_GROUP, PENDING_PAGE, RedisWorkQueue, default_retry
-from services.runtime.commands import Save
 from services.runtime.redis_replicas import ClusterKeys, as_text
-from services.runtime.reporting import CompletionHook
+from services.runtime.reporting import CompletionHook, StoreResults
 from services.scheduler.policy import SchedulerLimits
 from services.scheduler.requests import Admission, Completion, ModelId, QueuedRequest
 from services.scheduler.scheduler import Scheduler
@@ -161,26 +157,10 @@ class RetryingHook:
     def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         retry_database(lambda: self._inner.started(requests, pass_id), outage_s=self._outage_s)
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
-        return retry_database(lambda: self._inner.finished(completions, pass_id), outage_s=self._outage_s)
-
-
-class ResultsFirstHook:
-    """A `CompletionHook` that stores results before `inner` logs the requests as finished."""
-
-    def __init__(self, results: ResultStore, inner: CompletionHook, *, ttl_s: float = DEFAULT_RESULT_TTL_S) -> None:
-        self._results = results
-        self._inner = inner
-        self._ttl_s = ttl_s
-
-    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
-        self._inner.started(requests, pass_id)
-
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
-        for completion in completions:
-            if not isinstance(completion.request.payload, Save):
-                self._results.put(completion.request_id, StoredResult.from_completion(completion), self._ttl_s)
-        return self._inner.finished(completions, pass_id)
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        # A retry may store again: storing is idempotent.
+        return retry_database(lambda: self._inner.finished(completions, pass_id, store), outage_s=self._outage_s)
 
 
 _RENEW = """

@@ -67,7 +67,7 @@ from services.runtime.replica_protocol import (
     SaveCall,
     SnapshotOrder,
 )
-from services.runtime.reporting import CompletionHook
+from services.runtime.reporting import CompletionHook, StoreResults
 from services.scheduler.requests import Completion, QueuedRequest
 from services.storage import safe_component
 
@@ -393,5 +393,6 @@ class TrackingHook:
         self._context.started(requests)
         self._inner.started(requests, pass_id)
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
-        return self._inner.finished(completions, pass_id)
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        return self._inner.finished(completions, pass_id, store)

@@ -3,7 +3,9 @@
 The loop itself knows no database. It tells a `CompletionHook` when plan items start and finish; the
 service wires a database-backed hook (`services.control.recording`), tests may wire none. The hook may
 replace a completion's result (a save whose checkpoint row cannot be written fails instead of pointing
-the client at a checkpoint nobody can find).
+the client at a checkpoint nobody can find), and it stores the final results itself, through the loop's
+`StoreResults`, before it marks the requests finished: the other order let a poll read "finished" and
+then "result no longer available".
 
 `LoopCounters` are written by the loop thread and read from any thread (gateway metrics, healthz): every
 access holds a lock and readers get an immutable `RuntimeStats` snapshot. They also feed the base model's
@@ -14,7 +16,7 @@ registered on the process registry when the composition root passes one, private
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from services.control.api import RuntimeStats
@@ -22,6 +24,9 @@ from services.domain.sampling import SampleResult
 from services.domain.training import WorkError
 from services.metrics.series import ModelSeries, RuntimeMetrics
 from services.scheduler.requests import Completion, QueuedRequest, SchedulerStats
+
+StoreResults = Callable[[Sequence[Completion]], None]
+"""Stores completions' results in the loop's `ResultStore` (idempotent: a retry may store again)."""
 
 
 @runtime_checkable
@@ -32,8 +37,12 @@ class CompletionHook(Protocol):
         """`requests` are about to run in the plan item `pass_id`."""
         ...
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
-        """`completions` ended (pass_id None: refused by the scheduler); returns them, possibly amended."""
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        """`completions` ended (pass_id None: refused by the scheduler); returns them, possibly amended.
+
+        Must call `store` with the final completions before it records them as finished where a poll
+        reads (before its transaction commits): a poll that sees "finished" then finds the result."""
         ...
 
 
@@ -43,7 +52,9 @@ class NullCompletionHook:
     def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         return None
 
-    def finished(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        store(completions)
         return list(completions)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 from services.control.recording import DatabaseCompletionHook
@@ -38,6 +39,10 @@ def _row(database: Database, request: QueuedRequest) -> RequestRow:
     return row
 
 
+def _no_store(completions: Sequence[Completion]) -> None:
+    """These tests read the request log only (tests/integration/test_result_order.py checks the store)."""
+
+
 def _result() -> ForwardBackwardResult:
     return ForwardBackwardResult([], {"loss:sum": 1.0})
 
@@ -47,7 +52,8 @@ def test_a_quick_item_is_logged_done_with_its_pass_and_start_without_a_running_w
     hook = DatabaseCompletionHook(database, running_after_s=3600.0)
     hook.started([ok, bad], "pass-1")
     assert _row(database, ok).status == "queued"  # nothing written at the start
-    finished = hook.finished([Completion(ok, _result()), Completion(bad, WorkError("boom", "user"))], "pass-1")
+    finished = hook.finished([Completion(ok, _result()), Completion(bad, WorkError("boom", "user"))], "pass-1",
+                             _no_store)
     assert [c.request_id for c in finished] == [ok.request_id, bad.request_id]
     done, failed = _row(database, ok), _row(database, bad)
     assert (done.status, done.pass_id, done.num_tokens) == ("done", "pass-1", 7) and done.started_at is not None
@@ -68,7 +74,7 @@ def test_an_item_still_running_after_the_delay_is_marked_running(database: Datab
         assert time.monotonic() < deadline, "the request was never marked running"
         time.sleep(0.01)
     assert running.pass_id == "pass-2" and running.started_at is not None
-    hook.finished([Completion(request, _result())], "pass-2")
+    hook.finished([Completion(request, _result())], "pass-2", _no_store)
     done = _row(database, request)
     assert done.status == "done" and done.started_at == running.started_at
 
@@ -78,5 +84,5 @@ def test_without_a_delay_running_is_written_at_the_start(database: Database) -> 
     hook = DatabaseCompletionHook(database, running_after_s=None)
     hook.started([request], "pass-3")
     assert _row(database, request).status == "running"
-    hook.finished([Completion(request, _result())], "pass-3")
+    hook.finished([Completion(request, _result())], "pass-3", _no_store)
     assert _row(database, request).status == "done"
