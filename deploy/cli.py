@@ -16,6 +16,7 @@ from deploy.cluster_commands import register as register_cluster_commands
 from deploy.commands import register as register_service_commands
 from deploy.hub_commands import register as register_hub_commands
 from deploy.options import fail
+from deploy.storage_commands import register as register_storage_commands
 
 app = typer.Typer(no_args_is_help=True, help="Carpool: multi-tenant LoRA training on a shared base model.")
 
@@ -73,6 +74,7 @@ app.command("fetch-model")(fetch_model)
 register_service_commands(app)
 register_cluster_commands(app)
 register_hub_commands(app)
+register_storage_commands(app)
 
 
 def main() -> None:

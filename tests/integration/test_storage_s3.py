@@ -223,3 +223,22 @@ def test_manifest_lists_size_and_sha256(s3: S3CheckpointStore) -> None:
     abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     assert manifest["files"] == {"a": {"size": 3, "sha256": abc}}
     assert json.loads(json.dumps(manifest)) == manifest
+
+
+def test_storage_sweep_command(s3: S3CheckpointStore, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch,
+                               tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from deploy.cli import app
+
+    uri = s3.uri_for("t", "r", "training", "killed")
+    key = uri.removeprefix(f"s3://{s3.location.bucket}/")
+    s3_client(s3_server.url).put_object(Bucket=s3.location.bucket, Key=f"{key}/part", Body=b"x")
+    _upload(s3, s3.uri_for("t", "r", "training", "whole"), FILES)
+    monkeypatch.setenv("CARPOOL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("CARPOOL_STORAGE_URL", f"s3://{s3.location.bucket}/ckpt")
+    monkeypatch.setenv("CARPOOL_S3_ENDPOINT_URL", s3_server.url)
+    result = CliRunner().invoke(app, ["storage", "sweep", "--older-than", "0"])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 objects of incomplete checkpoints" in result.output
+    assert s3.list_files(s3.uri_for("t", "r", "training", "whole")) == sorted(FILES)  # complete ones stay
