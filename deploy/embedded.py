@@ -207,7 +207,9 @@ def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> An
     # The gateway reads its other CARPOOL_* settings itself; the long-poll must agree with our cap.
     gateway_settings = GatewaySettings(long_poll_seconds=settings.long_poll_seconds)
     auth = DatabaseAuthenticator(service.db, cache_seconds=gateway_settings.auth_cache_seconds,
-                                 cache_size=gateway_settings.auth_cache_size)
+                                 cache_size=gateway_settings.auth_cache_size,
+                                 failure_seconds=gateway_settings.auth_failure_cache_seconds,
+                                 failure_cache_size=gateway_settings.auth_failure_cache_size)
     from deploy.hub_wiring import hub_service
 
     return create_app(gateway_settings, service.control, auth, metrics=service.metrics,

@@ -11,6 +11,7 @@ and embedded deployments can build as many apps as they like.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from gateway.admin import AdminConsole, install_admin, make_templates
 from gateway.auth import Authenticator
+from gateway.blocking_pool import FairBlockingPool
 from gateway.deps import install_openapi
 from gateway.edge_limits import DecodePool, EdgeLimiter, EdgeLimitOptions
 from gateway.errors import install_error_handlers
@@ -132,6 +134,9 @@ def edge_limit_options(settings: GatewaySettings) -> EdgeLimitOptions:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # uvicorn (re)configures its handlers after the app is built: redact again once the server runs.
     install_key_redaction()
+    # Blocking control-plane work (`asyncio.to_thread`) runs on a bounded pool shared fairly by callers;
+    # the event loop shuts it down with itself (work after the lifespan, such as teardown, still runs).
+    asyncio.get_running_loop().set_default_executor(FairBlockingPool(app.state.settings.blocking_threads))
     yield
     app.state.decode_pool.shutdown()
 

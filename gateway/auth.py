@@ -6,6 +6,8 @@ into a `Tenant` (None = reject with 401) and, for `DELETE /api/v1/auth/apikey/me
 caller authenticated with. `DatabaseAuthenticator` implements it over `services.auth.tenants` and a
 `services.db.Database`, running the (synchronous) SQLAlchemy work in a thread and caching successful
 lookups for a few seconds so long-polls and chunked forward_backward calls do not each hit the database.
+Failed lookups are remembered too, for less time, so a flood of one bad key costs one lookup per
+`failure_seconds` rather than one per request (the edge's per-address limit slows many distinct keys).
 
 Credentials arrive as `X-API-Key: tml-...` (the SDK) or `Authorization: Bearer tml-...` (REST clients), or
 as a JWT (`eyJ...`) that `auth/token` minted from such a key (the SDK's JWT mode).
@@ -77,33 +79,43 @@ class _Cached:
 
 
 class DatabaseAuthenticator:
-    """`Authenticator` over the tenants/api_keys tables, with a short positive cache.
+    """`Authenticator` over the tenants/api_keys tables, with short caches of successes and failures.
 
-    Only successes are cached (a revoked key stops working here at once when revoked through this
-    instance, elsewhere after at most `cache_seconds`); failures always hit the database, so a newly
-    issued key works immediately.
+    A revoked key stops working here at once when revoked through this instance, elsewhere after at most
+    `cache_seconds`. A failed key is answered from memory for `failure_seconds` (both caches are keyed by a
+    SHA-256 digest of the key and bounded in size, least recently used first out); a newly issued key was
+    never presented before, so it works immediately.
     """
 
     def __init__(
         self, database: Database, *, pepper: bytes | None = None, cache_seconds: float = 5.0,
-        cache_size: int = 10_000,
+        cache_size: int = 10_000, failure_seconds: float = 2.0, failure_cache_size: int = 10_000,
     ) -> None:
         self._database = database
         self._pepper = pepper
         self._cache_seconds = cache_seconds
         self._cache_size = cache_size
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._failure_seconds = failure_seconds
+        self._failure_cache_size = failure_cache_size
+        self._failures: OrderedDict[str, float] = OrderedDict()
+        """Digest of a key whose lookup failed → monotonic time until which it is refused from memory."""
 
     async def authenticate(self, api_key: str) -> Tenant | None:
         # The cache is keyed by a digest so the process never holds raw keys beyond the request.
         digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        now = time.monotonic()
         hit = self._cache.get(digest)
-        if hit is not None and hit.expires_at > time.monotonic():
+        if hit is not None and hit.expires_at > now:
             return hit.tenant
+        if self._failures.get(digest, 0.0) > now:
+            return None
         tenant = await asyncio.to_thread(self._lookup, api_key)
         if tenant is None:
             self._cache.pop(digest, None)
+            self._remember_failure(digest)
         else:
+            self._failures.pop(digest, None)
             self._remember(digest, tenant)
         return tenant
 
@@ -113,6 +125,7 @@ class DatabaseAuthenticator:
         revoked = await asyncio.to_thread(self._revoke, tenant)
         for digest in [d for d, c in self._cache.items() if c.tenant.api_key_id == tenant.api_key_id]:
             del self._cache[digest]
+            self._remember_failure(digest)  # fails here at once, without a lookup
         return revoked
 
     def _lookup(self, api_key: str) -> Tenant | None:
@@ -123,6 +136,14 @@ class DatabaseAuthenticator:
         assert tenant.api_key_id is not None
         with self._database.sessions.begin() as session:
             return revoke_api_key(session, tenant.id, tenant.api_key_id)
+
+    def _remember_failure(self, digest: str) -> None:
+        if self._failure_seconds <= 0 or self._failure_cache_size <= 0:
+            return
+        self._failures[digest] = time.monotonic() + self._failure_seconds
+        self._failures.move_to_end(digest)
+        while len(self._failures) > self._failure_cache_size:
+            self._failures.popitem(last=False)
 
     def _remember(self, digest: str, tenant: Tenant) -> None:
         if self._cache_seconds <= 0 or self._cache_size <= 0:

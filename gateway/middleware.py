@@ -27,6 +27,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.blocking_pool import CURRENT_CALLER
 from gateway.edge_limits import EdgeLimiter, caller_of
 from gateway.errors import BodyTooLarge, body_too_large_response, error_response, retry_after_headers
 from services.metrics.series import UNMATCHED_ROUTE, GatewayMetrics
@@ -72,9 +73,11 @@ class EdgeMiddleware:
             response = error_response(429, refusal.detail, headers=retry_after_headers(refusal.retry_after_s))
             await response(scope, receive, send)
             return
+        token = CURRENT_CALLER.set(caller.key)  # the blocking pool serves callers round robin
         try:
             await self._limited(scope, receive, send, status)
         finally:
+            CURRENT_CALLER.reset(token)
             self.limiter.release(caller, int(status["code"]))
 
     async def _limited(self, scope: Scope, receive: Receive, send: Send, status: dict[str, Any]) -> None:

@@ -66,6 +66,20 @@ class GatewaySettings(BaseSettings):
         description="Threads of the gateway's own pool that decode forward_backward bodies (off the event loop "
         "and off the default pool that database work uses).",
     )
+    blocking_threads: int = Field(
+        default=16,
+        ge=1,
+        description="Threads of the gateway's pool for blocking control-plane work (database transactions, "
+        "API-key lookups); never more are started, further work waits, served round robin per API key so one "
+        "caller's flood does not delay the others.",
+    )
+    auth_failure_cache_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a failed API-key lookup is remembered (by a digest of the key) so repeats of a bad "
+        "key skip the database; 0 = not remembered.",
+    )
+    auth_failure_cache_size: int = Field(default=10_000, ge=0, description="Most remembered failed key lookups.")
     edge_max_in_flight: int | None = Field(
         default=2048,
         ge=1,

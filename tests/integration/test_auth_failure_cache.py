@@ -1,0 +1,89 @@
+"""Failed authentications are remembered (issue 16): a repeated bad key does not reach the database, the
+memory is bounded, a key revoked through a gateway fails there at once, and the gateway's blocking
+control-plane work (here: key lookups) runs on its own bounded pool, not the default executor."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from conftest import Harness
+from fastapi.testclient import TestClient
+from sqlalchemy import event
+
+from gateway.app import create_app
+from gateway.auth import DatabaseAuthenticator
+from gateway.settings import GatewaySettings
+from services.auth.keys import generate_api_key
+from services.auth.tenants import create_tenant_with_key
+from services.db import Database
+
+
+class Statements:
+    """SQL statements the database actually receives, with the thread that sent each."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.threads)
+
+
+@contextmanager
+def _watching(database: Database) -> Iterator[Statements]:
+    seen = Statements()
+
+    def note(*_: object) -> None:
+        seen.threads.append(threading.current_thread().name)
+
+    event.listen(database.engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(database.engine, "before_cursor_execute", note)
+
+
+def test_a_bad_key_is_looked_up_once_and_the_memory_is_bounded(harness: Harness) -> None:
+    auth = DatabaseAuthenticator(harness.db, failure_seconds=3600, failure_cache_size=2)
+    bad = [generate_api_key() for _ in range(3)]  # well-formed, never issued: each needs a lookup
+    with _watching(harness.db) as sql:
+        assert asyncio.run(auth.authenticate(bad[0])) is None
+        first = len(sql)
+        assert first > 0
+        for _ in range(5):
+            assert asyncio.run(auth.authenticate(bad[0])) is None
+        assert len(sql) == first  # answered from memory
+        asyncio.run(auth.authenticate(bad[1]))
+        asyncio.run(auth.authenticate(bad[2]))  # the cache holds two: bad[0] is forgotten
+        before = len(sql)
+        assert asyncio.run(auth.authenticate(bad[0])) is None
+        assert len(sql) > before
+
+
+def test_a_revoked_key_fails_at_once_on_the_revoking_gateway(harness: Harness) -> None:
+    with harness.db.sessions.begin() as db:
+        _, issued = create_tenant_with_key(db, "revokes")
+    auth = DatabaseAuthenticator(harness.db, cache_seconds=3600, failure_seconds=3600)
+    tenant = asyncio.run(auth.authenticate(issued.key))
+    assert tenant is not None
+    assert asyncio.run(auth.revoke(tenant)) is True
+    assert asyncio.run(auth.authenticate(issued.key)) is None
+    fresh = DatabaseAuthenticator(harness.db)  # and the database agrees (another gateway, no cache)
+    assert asyncio.run(fresh.authenticate(issued.key)) is None
+
+
+def test_the_gateway_remembers_failures_and_looks_keys_up_on_its_bounded_pool(harness: Harness) -> None:
+    settings = GatewaySettings(blocking_threads=2, edge_failed_auth_per_minute=None)
+    auth = DatabaseAuthenticator(harness.db, failure_seconds=settings.auth_failure_cache_seconds)
+    app = create_app(settings, harness.control, auth)
+    bad = generate_api_key()
+    with TestClient(app) as http, _watching(harness.db) as sql:
+        first = http.get("/api/v1/get_server_capabilities", headers={"X-API-Key": bad})
+        assert first.status_code == 401, first.text
+        assert sql.threads and all(t.startswith("carpool-blocking") for t in sql.threads), sql.threads
+        looked_up = len(sql)
+        for _ in range(5):
+            assert http.get("/api/v1/get_server_capabilities", headers={"X-API-Key": bad}).status_code == 401
+        assert len(sql) == looked_up
