@@ -20,6 +20,8 @@ from tinker import types
 from tests.e2e.server import Server
 
 VOCAB = 512
+TARGETS_PER_POSITION = 64
+"""The server's limit on target ids per position of a forward (`loss_fn_inputs` of shape (T, K))."""
 TEXT = "the quick brown fox jumps over the lazy dog."
 OTHER_TEXT = "a stitch in time saves nine."
 
@@ -75,14 +77,17 @@ def _training_logprobs(client: tinker.TrainingClient, tokens: Sequence[int]) -> 
 
 
 def _full_distribution(client: tinker.TrainingClient, tokens: Sequence[int]) -> np.ndarray:
-    """log p(v | tokens[:i+1]) for every position i and every vocabulary id v: target_tokens of shape (T, V)."""
+    """log p(v | tokens[:i+1]) for every position i and every vocabulary id v: target_tokens of shape (T, K),
+    K ids at a time (the server takes at most TARGETS_PER_POSITION per position)."""
     n = len(tokens) - 1
-    targets = np.tile(np.arange(VOCAB, dtype=np.int64), (n, 1))
-    datum = types.Datum(model_input=types.ModelInput.from_ints(list(tokens[:-1])),
-                        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(targets),
-                                        "weights": types.TensorData.from_numpy(np.zeros((n, VOCAB), np.float32))})
-    out = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    return out.reshape(n, VOCAB)
+    datums = []
+    for start in range(0, VOCAB, TARGETS_PER_POSITION):
+        ids = np.arange(start, min(start + TARGETS_PER_POSITION, VOCAB), dtype=np.int64)
+        datums.append(types.Datum(model_input=types.ModelInput.from_ints(list(tokens[:-1])), loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(np.tile(ids, (n, 1))),
+            "weights": types.TensorData.from_numpy(np.zeros((n, len(ids)), np.float32))}))
+    outputs = client.forward(datums, "cross_entropy").result().loss_fn_outputs
+    return np.concatenate([o["logprobs"].to_numpy().reshape(n, -1) for o in outputs], axis=1)
 
 
 def test_greedy_samples_follow_the_adapters_argmax(service: tinker.ServiceClient, base_model: str,
