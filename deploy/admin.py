@@ -7,7 +7,7 @@ to the caller to print once; nothing here logs a key.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import TextIO
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from deploy.settings import ServiceSettings
 from services.admin import actions
 from services.admin.actions import CLI_ACTOR
+from services.auth.invalidation import Invalidation
 from services.auth.tenants import IssuedKey, Tenant, create_tenant_with_key
 from services.db import Database, open_database
 from services.db.engine import is_sqlite
@@ -120,12 +121,17 @@ def set_quotas(settings: ServiceSettings, tenant: str, **changes: int | None) ->
         return row.name, quotas
 
 
-def set_disabled(settings: ServiceSettings, tenant: str, disabled: bool) -> str:
-    """Disable (or re-enable) a tenant: its keys stop authenticating at once. Returns the tenant's name."""
+def set_disabled(settings: ServiceSettings, tenant: str, disabled: bool, *,
+                 announce: Callable[[Invalidation], None] | None = None) -> str:
+    """Disable (or re-enable) a tenant: its keys stop authenticating at once (on every gateway when
+    `announce` reaches them, see `redis_announcer`). Returns the tenant's name."""
     with admin_transaction(settings) as session:
         row = _named_tenant(session, tenant)
         actions.set_disabled(session, CLI_ACTOR, TenantId(row.id), disabled)
-        return row.name
+        name, tenant_id = row.name, row.id
+    if disabled and announce is not None:  # after the commit: a gateway that looks the key up again sees it
+        announce(Invalidation(tenant_id))
+    return name
 
 
 def tenant_summaries(settings: ServiceSettings) -> list[TenantSummary]:
@@ -144,14 +150,37 @@ def create_key(settings: ServiceSettings, tenant: str) -> tuple[str, IssuedKey]:
         return row.name, actions.create_key(session, CLI_ACTOR, TenantId(row.id), label="cli")
 
 
-def revoke_keys(settings: ServiceSettings, prefix: str) -> int:
+def revoke_keys(settings: ServiceSettings, prefix: str, *,
+                announce: Callable[[Invalidation], None] | None = None) -> int:
     """Revoke every live key whose display prefix is `prefix`; returns how many."""
     with admin_transaction(settings) as session:
+        owners = sorted(set(session.scalars(select(ApiKeyRow.tenant_id).where(
+            ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))).all()))
         count = actions.revoke_keys_by_prefix(session, CLI_ACTOR, prefix)
         if not count:
             raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
                              "key (e.g. tml-AbCdEfGh)")
-        return count
+    for owner in owners if announce is not None else ():
+        announce(Invalidation(owner))  # the owners' cached keys are looked up again (the revoked ones fail)
+    return count
+
+
+def redis_announcer(redis_url: str | None, prefix: str) -> Callable[[Invalidation], None] | None:
+    """Publishes invalidations to the cluster's gateways (`services.auth.invalidation`); None without Redis."""
+    if not redis_url:
+        return None
+
+    def announce(invalidation: Invalidation) -> None:
+        from services.auth.invalidation import RedisAuthInvalidations
+        from services.runtime.redis_replicas import connect
+
+        client = connect(redis_url)
+        try:
+            RedisAuthInvalidations(client, prefix=prefix).publish(invalidation)
+        finally:
+            client.close()
+
+    return announce
 
 
 def bootstrap_admin(db: Database, out: TextIO) -> bool:

@@ -35,6 +35,7 @@ from deploy.embedded import (
     sweeper_thread,
 )
 from deploy.settings import ClusterSettings
+from services.auth.invalidation import RedisAuthInvalidations
 from services.control.api import RuntimeStats
 from services.control.plane import ServiceControlPlane
 from services.control.quotas import RedisQuotaStore
@@ -90,8 +91,9 @@ def build_cluster_gateway(settings: ClusterSettings, *, out: TextIO | None = Non
     # The embedded service type bundles exactly what the app factory needs (database + control plane);
     # here it runs no scheduler loops and holds no engines.
     service = EmbeddedService(settings, db, control, metrics=metrics, sweeper=sweeper_thread(settings, db, store))
-    app = build_gateway_app(settings, service)
-    return ClusterGateway(service, app, [notifier.close, results.close, client.close])
+    invalidations = RedisAuthInvalidations(client, prefix=prefix)  # revocations reach every gateway's cache
+    app = build_gateway_app(settings, service, auth_bus=invalidations)
+    return ClusterGateway(service, app, [invalidations.close, notifier.close, results.close, client.close])
 
 
 def wait_for_models(client: redis.Redis, settings: ClusterSettings) -> dict[str, PublishedModel]:

@@ -134,17 +134,31 @@ def tenants_set_quota(
                f"max_concurrent={shown(quotas.max_concurrent_requests)} max_models={shown(quotas.max_models)}")
 
 
+def _redis_url_option() -> Any:
+    return typer.Option(None, "--redis-url", envvar="CARPOOL_REDIS_URL", help=(
+        "Cluster mode: tell every gateway through this Redis, so cached logins end at once "
+        "[env: CARPOOL_REDIS_URL]; without it they end within CARPOOL_AUTH_CACHE_SECONDS."))
+
+
+def _redis_prefix_option() -> Any:
+    return typer.Option("carpool", "--redis-prefix", envvar="CARPOOL_REDIS_PREFIX",
+                        help="The cluster's Redis key prefix [env: CARPOOL_REDIS_PREFIX].")
+
+
 @tenants_app.command("disable")
 def tenants_disable(
     name: str = typer.Argument(..., help="Tenant name (or id)."),
     enable: bool = typer.Option(False, "--enable", help="Re-enable the tenant instead."),
     data_dir: Path | None = _data_dir_option(),
+    redis_url: str | None = _redis_url_option(),
+    redis_prefix: str = _redis_prefix_option(),
 ) -> None:
     """Disable a tenant (its keys stop authenticating) or, with --enable, re-enable it. Audited."""
-    from deploy.admin import AdminError, set_disabled
+    from deploy.admin import AdminError, redis_announcer, set_disabled
 
     try:
-        tenant = set_disabled(_settings(data_dir=data_dir), name, not enable)
+        tenant = set_disabled(_settings(data_dir=data_dir), name, not enable,
+                              announce=redis_announcer(redis_url, redis_prefix))
     except AdminError as exc:
         fail(str(exc))
     typer.echo(f"{'enabled' if enable else 'disabled'} {tenant}")
@@ -185,12 +199,14 @@ def keys_create(
 def keys_revoke(
     key_prefix: str = typer.Argument(..., help="The key's 12-character prefix (e.g. tml-AbCdEfGh)."),
     data_dir: Path | None = _data_dir_option(),
+    redis_url: str | None = _redis_url_option(),
+    redis_prefix: str = _redis_prefix_option(),
 ) -> None:
     """Revoke API keys by their display prefix."""
-    from deploy.admin import AdminError, revoke_keys
+    from deploy.admin import AdminError, redis_announcer, revoke_keys
 
     try:
-        count = revoke_keys(_settings(data_dir=data_dir), key_prefix)
+        count = revoke_keys(_settings(data_dir=data_dir), key_prefix, announce=redis_announcer(redis_url, redis_prefix))
     except AdminError as exc:
         fail(str(exc))
     typer.echo(f"revoked {count} key{'s' if count != 1 else ''}")

@@ -196,8 +196,9 @@ def sweeper_thread(settings: ServiceSettings, db: Database, store: CheckpointSto
     return SweeperThread(Sweeper(db, store, options))
 
 
-def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> Any:
-    """The FastAPI app: `gateway.app.create_app(GatewaySettings, control, DatabaseAuthenticator)`."""
+def build_gateway_app(settings: ServiceSettings, service: EmbeddedService, *, auth_bus: Any = None) -> Any:
+    """The FastAPI app: `gateway.app.create_app(GatewaySettings, control, DatabaseAuthenticator)`; `auth_bus`
+    (a `gateway.auth.InvalidationBus`, cluster mode) carries revocations between gateways."""
     try:
         from gateway.app import create_app
         from gateway.auth import DatabaseAuthenticator
@@ -209,7 +210,7 @@ def build_gateway_app(settings: ServiceSettings, service: EmbeddedService) -> An
     auth = DatabaseAuthenticator(service.db, cache_seconds=gateway_settings.auth_cache_seconds,
                                  cache_size=gateway_settings.auth_cache_size,
                                  failure_seconds=gateway_settings.auth_failure_cache_seconds,
-                                 failure_cache_size=gateway_settings.auth_failure_cache_size)
+                                 failure_cache_size=gateway_settings.auth_failure_cache_size, bus=auth_bus)
     from deploy.hub_wiring import hub_service
 
     return create_app(gateway_settings, service.control, auth, metrics=service.metrics,

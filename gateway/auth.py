@@ -6,8 +6,10 @@ into a `Tenant` (None = reject with 401) and, for `DELETE /api/v1/auth/apikey/me
 caller authenticated with. `DatabaseAuthenticator` implements it over `services.auth.tenants` and a
 `services.db.Database`, running the (synchronous) SQLAlchemy work in a thread and caching successful
 lookups for a few seconds so long-polls and chunked forward_backward calls do not each hit the database.
-Failed lookups are remembered too, for less time, so a flood of one bad key costs one lookup per
-`failure_seconds` rather than one per request (the edge's per-address limit slows many distinct keys).
+With an `InvalidationBus` (Redis pub/sub in cluster mode, `services.auth.invalidation`), a revocation
+through one gateway reaches the others' caches at once. Failed lookups are remembered too, for less
+time, so a flood of one bad key costs one lookup per `failure_seconds` rather than one per request (the
+edge's per-address limit slows many distinct keys).
 
 Credentials arrive as `X-API-Key: tml-...` (the SDK) or `Authorization: Bearer tml-...` (REST clients), or
 as a JWT (`eyJ...`) that `auth/token` minted from such a key (the SDK's JWT mode).
@@ -18,16 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.auth.invalidation import Invalidation
 from services.auth.keys import KEY_PREFIX
 from services.auth.tenants import Tenant, authenticate
 from services.db.database import Database
 from services.db.tenants import revoke_api_key
+
+log = logging.getLogger(__name__)
 
 API_KEY_HEADER = "X-API-Key"
 JWT_PREFIX = "eyJ"
@@ -44,6 +51,14 @@ class Authenticator(Protocol):
     async def revoke(self, tenant: Tenant) -> bool:
         """Revoke the key `tenant` authenticated with (`tenant.api_key_id`); False if it was not live."""
         ...
+
+
+class InvalidationBus(Protocol):
+    """Carries revocations between gateways (`services.auth.invalidation.RedisAuthInvalidations`)."""
+
+    def publish(self, invalidation: Invalidation) -> None: ...
+
+    def subscribe(self, callback: Callable[[Invalidation], None], timeout_s: float = 5.0) -> bool: ...
 
 
 class CredentialError(Exception):
@@ -90,6 +105,7 @@ class DatabaseAuthenticator:
     def __init__(
         self, database: Database, *, pepper: bytes | None = None, cache_seconds: float = 5.0,
         cache_size: int = 10_000, failure_seconds: float = 2.0, failure_cache_size: int = 10_000,
+        bus: InvalidationBus | None = None,
     ) -> None:
         self._database = database
         self._pepper = pepper
@@ -100,33 +116,52 @@ class DatabaseAuthenticator:
         self._failure_cache_size = failure_cache_size
         self._failures: OrderedDict[str, float] = OrderedDict()
         """Digest of a key whose lookup failed → monotonic time until which it is refused from memory."""
+        # The caches are used on the event loop and invalidated from the bus's listener thread.
+        self._lock = threading.Lock()
+        self._bus = bus
+        if bus is not None and not bus.subscribe(self.invalidate):
+            log.warning("auth invalidations not subscribed yet; revocations elsewhere apply after the cache TTL")
 
     async def authenticate(self, api_key: str) -> Tenant | None:
         # The cache is keyed by a digest so the process never holds raw keys beyond the request.
         digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
         now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit.expires_at > now:
-            return hit.tenant
-        if self._failures.get(digest, 0.0) > now:
-            return None
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None and hit.expires_at > now:
+                return hit.tenant
+            if self._failures.get(digest, 0.0) > now:
+                return None
         tenant = await asyncio.to_thread(self._lookup, api_key)
-        if tenant is None:
-            self._cache.pop(digest, None)
-            self._remember_failure(digest)
-        else:
-            self._failures.pop(digest, None)
-            self._remember(digest, tenant)
+        with self._lock:
+            if tenant is None:
+                self._cache.pop(digest, None)
+                self._remember_failure(digest)
+            else:
+                self._failures.pop(digest, None)
+                self._remember(digest, tenant)
         return tenant
 
     async def revoke(self, tenant: Tenant) -> bool:
         if tenant.api_key_id is None:
             return False
         revoked = await asyncio.to_thread(self._revoke, tenant)
-        for digest in [d for d, c in self._cache.items() if c.tenant.api_key_id == tenant.api_key_id]:
-            del self._cache[digest]
-            self._remember_failure(digest)  # fails here at once, without a lookup
+        invalidation = Invalidation(tenant.id, tenant.api_key_id)
+        self.invalidate(invalidation)
+        if self._bus is not None:
+            await asyncio.to_thread(self._bus.publish, invalidation)
         return revoked
+
+    def invalidate(self, invalidation: Invalidation) -> None:
+        """Forget cached successes of a revoked key or disabled tenant (from this gateway or the bus); they
+        fail at once, without a lookup, for `failure_seconds`."""
+        with self._lock:
+            if invalidation.is_everything:
+                self._cache.clear()
+                return
+            for digest in [d for d, c in self._cache.items() if _matches(invalidation, c.tenant)]:
+                del self._cache[digest]
+                self._remember_failure(digest)
 
     def _lookup(self, api_key: str) -> Tenant | None:
         with self._database.sessions.begin() as session:
@@ -152,3 +187,9 @@ class DatabaseAuthenticator:
         self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+
+
+def _matches(invalidation: Invalidation, tenant: Tenant) -> bool:
+    if tenant.id != invalidation.tenant_id:
+        return False
+    return invalidation.api_key_id is None or tenant.api_key_id == invalidation.api_key_id

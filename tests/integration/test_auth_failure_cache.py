@@ -1,24 +1,33 @@
 """Failed authentications are remembered (issue 16): a repeated bad key does not reach the database, the
-memory is bounded, a key revoked through a gateway fails there at once, and the gateway's blocking
-control-plane work (here: key lookups) runs on its own bounded pool, not the default executor."""
+memory is bounded, a key revoked through a gateway fails there at once and, through Redis pub/sub, on the
+other gateways despite their caches; and the gateway's blocking control-plane work (here: key lookups)
+runs on its own bounded pool, not the default executor."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import redis
 from conftest import Harness
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
+from deploy.admin import redis_announcer, set_disabled
+from deploy.settings import ServiceSettings
 from gateway.app import create_app
 from gateway.auth import DatabaseAuthenticator
 from gateway.settings import GatewaySettings
+from services.auth.invalidation import RedisAuthInvalidations
 from services.auth.keys import generate_api_key
 from services.auth.tenants import create_tenant_with_key
 from services.db import Database
+from tests.required import REDIS_URL, require_redis
 
 
 class Statements:
@@ -87,3 +96,51 @@ def test_the_gateway_remembers_failures_and_looks_keys_up_on_its_bounded_pool(ha
         for _ in range(5):
             assert http.get("/api/v1/get_server_capabilities", headers={"X-API-Key": bad}).status_code == 401
         assert len(sql) == looked_up
+
+
+def test_a_key_revoked_on_one_gateway_stops_working_on_another_at_once(harness: Harness) -> None:
+    require_redis(REDIS_URL)
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
+    prefix = f"test-auth-{uuid.uuid4().hex[:8]}"
+    buses = [RedisAuthInvalidations(client, prefix=prefix) for _ in range(2)]
+    with harness.db.sessions.begin() as db:
+        _, issued = create_tenant_with_key(db, "two-gateways")
+        _, other = create_tenant_with_key(db, "bystander")
+    try:
+        # Caches far longer than the test: only the invalidation can make gateway B forget the key.
+        a, b = (DatabaseAuthenticator(harness.db, cache_seconds=3600, bus=bus) for bus in buses)
+        tenant = asyncio.run(a.authenticate(issued.key))
+        assert tenant is not None and asyncio.run(b.authenticate(issued.key)) is not None
+        assert asyncio.run(b.authenticate(other.key)) is not None
+        assert asyncio.run(a.revoke(tenant)) is True
+        deadline = time.monotonic() + 10  # pub/sub delivers in milliseconds; this only bounds a hang
+        while asyncio.run(b.authenticate(issued.key)) is not None:
+            assert time.monotonic() < deadline, "gateway B kept serving the revoked key from its cache"
+            time.sleep(0.01)
+        assert asyncio.run(b.authenticate(other.key)) is not None  # other tenants' keys are untouched
+    finally:
+        for bus in buses:
+            bus.close()
+        client.close()
+
+
+def test_carpool_tenants_disable_ends_cached_logins_on_every_gateway(harness: Harness, tmp_path: Path) -> None:
+    require_redis(REDIS_URL)
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
+    prefix = f"test-auth-{uuid.uuid4().hex[:8]}"
+    bus = RedisAuthInvalidations(client, prefix=prefix)
+    with harness.db.sessions.begin() as db:
+        _, issued = create_tenant_with_key(db, "to-disable")
+    try:
+        gateway = DatabaseAuthenticator(harness.db, cache_seconds=3600, bus=bus)
+        assert asyncio.run(gateway.authenticate(issued.key)) is not None
+        # What `carpool tenants disable to-disable --redis-url ...` runs, on the harness's database.
+        set_disabled(ServiceSettings(data_dir=tmp_path), "to-disable", True,
+                     announce=redis_announcer(REDIS_URL, prefix))
+        deadline = time.monotonic() + 10  # bounds a hang only
+        while asyncio.run(gateway.authenticate(issued.key)) is not None:
+            assert time.monotonic() < deadline, "the disabled tenant's key kept working from the cache"
+            time.sleep(0.01)
+    finally:
+        bus.close()
+        client.close()
