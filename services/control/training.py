@@ -11,7 +11,6 @@ age-encrypted to `<file>.age` by `EncryptedSave` when the request names recipien
 from __future__ import annotations
 
 import math
-import shutil
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -34,7 +33,8 @@ from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork,
 from services.domain.validation import InvalidWork, validate_forward_backward
 from services.runtime.commands import CheckpointRecord, CopyAdapter, ForwardBackward, Load, OptimStep, Save
 from services.scheduler.requests import RequestKind
-from services.storage.encryption import EncryptionError, check_recipients, encrypt_directory
+from services.storage.encrypted_saves import save_encrypted
+from services.storage.encryption import EncryptionError, check_recipients
 from services.wire.paths import TYPE_TO_SEGMENT, checkpoint_path
 
 SAVE_KIND_NAMES: dict[CheckpointKindName, str] = {
@@ -60,15 +60,15 @@ class EncryptedSave(Save):
     recipients: tuple[str, ...] = ()
 
     def run(self, backend: Backend) -> object:
-        outcome = super().run(backend)
-        if not isinstance(outcome, CheckpointRef):
-            return outcome
+        clash = self.clash()
+        if clash is not None:
+            return clash
         try:
-            size = encrypt_directory(self.path, self.recipients)
-        except Exception as exc:  # noqa: BLE001 - any failure discards the export, never leaves plaintext
-            shutil.rmtree(self.path, ignore_errors=True)
+            # Encrypted where the files are written (with S3: on the saving node, before the upload).
+            size = save_encrypted(backend, self.adapter_id, self.path, self.recipients)
+        except EncryptionError as exc:  # the export was discarded; no plaintext was kept
             return WorkError(f"encrypting {self.record.tinker_path} failed: {exc}", "server")
-        return replace(outcome, size_bytes=size)
+        return CheckpointRef(self.record.tinker_path, self.kind, size)
 
 
 class TrainingOps:
@@ -146,10 +146,6 @@ class TrainingOps:
             record = self._record(tenant, model_id, kind, name, options)
             local = self._ctx.store.local_path(record.storage_uri)
             recipients = _age_recipients(kind, options)
-            if recipients and self._ctx.store.remote:
-                # Encryption runs after the worker's upload; with S3 it would leave plaintext in the bucket.
-                raise Invalid("age_encryption_recipients is not supported with S3 checkpoint storage yet",
-                              field="age_encryption_recipients")
             if recipients:
                 return Prepared(RequestKind.SAVE, EncryptedSave(AdapterId(model_id), local, False, kind, record,
                                                                 recipients))

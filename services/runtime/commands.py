@@ -90,12 +90,18 @@ class Save:
     record: CheckpointRecord
 
     def run(self, backend: Backend) -> object:
-        # The control plane refused name clashes at submission; this catches two saves of one name racing.
+        clash = self.clash()
+        if clash is not None:
+            return clash
+        size = backend.save_adapter(self.adapter_id, self.path, with_optimizer=self.with_optimizer)
+        return CheckpointRef(self.record.tinker_path, self.kind, size)
+
+    def clash(self) -> WorkError | None:
+        """The control plane refused name clashes at submission; this catches two saves of one name racing."""
         if not self.record.overwrite and self.path.exists():
             return WorkError(f"checkpoint {self.record.tinker_path} already exists; save under another name "
                              "or pass overwrite=True", "user")
-        size = backend.save_adapter(self.adapter_id, self.path, with_optimizer=self.with_optimizer)
-        return CheckpointRef(self.record.tinker_path, self.kind, size)
+        return None
 
 
 @dataclass(frozen=True)

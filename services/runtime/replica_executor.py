@@ -40,6 +40,7 @@ from services.runtime.replica_protocol import (
     SaveCall,
     SnapshotOrder,
 )
+from services.storage.encrypted_saves import save_encrypted
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class ReplicaExecutor:
 
     # -- calls that change nothing -----------------------------------------------------------------
     def _save(self, call: SaveCall) -> int:
+        if call.age_recipients:
+            return save_encrypted(self._backend, call.adapter_id, Path(call.path), call.age_recipients)
         return self._backend.save_adapter(call.adapter_id, Path(call.path), with_optimizer=call.with_optimizer)
 
     def _sample(self, call: SampleCall) -> list[object]:

@@ -161,6 +161,12 @@ class ReplicaPool:
         assert isinstance(size, int)
         return size
 
+    def save_encrypted_adapter(self, adapter_id: AdapterId, path: Path, *, recipients: tuple[str, ...]) -> int:
+        """An age-encrypted export, encrypted by the replica that holds the adapter (before any upload)."""
+        size = self._call_on(adapter_id, SaveCall(adapter_id, str(path), False, tuple(recipients)))
+        assert isinstance(size, int)
+        return size
+
     def optim_step(self, adapter_id: AdapterId, params: AdamParams) -> OptimStepResult:
         request_id = self.context.barrier()
         if not self.has_adapter(adapter_id):  # the replica answers "unknown adapter"; nothing to log

@@ -112,6 +112,8 @@ class SaveCall:
     adapter_id: AdapterId
     path: str
     with_optimizer: bool
+    age_recipients: tuple[str, ...] = ()
+    """Non-empty: an age-encrypted export, encrypted on the replica before it reaches storage."""
 
 
 @dataclass(frozen=True)

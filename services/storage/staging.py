@@ -4,7 +4,9 @@ The control plane names checkpoints by `store.local_path(uri)`; with a remote st
 directory, which on another node may not exist yet. This wrapper sits between the runtime and the engine
 on the node that holds the adapter: a save into such a path is written to a private staging directory,
 uploaded (manifest last) and only then reported done; a load from such a path first fetches the verified
-checkpoint into this node's cache. Every other path (snapshots, scratch copies) passes straight through.
+checkpoint into this node's cache. An age-encrypted export is encrypted in the staging directory before
+its upload (`save_encrypted_adapter`), so the bucket never holds its plaintext. Every other path
+(snapshots, scratch copies) passes straight through.
 Upload and download failures raise `StorageError`, which the runtime turns into a `server` error of that
 one request while the adapter keeps training.
 """
@@ -12,7 +14,7 @@ one request while the adapter keeps training.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +29,7 @@ from services.domain.training import (
     OptimStepResult,
     WorkError,
 )
+from services.storage.encrypted_saves import encrypt_in_place, save_encrypted
 
 _STAGED_NAME = "checkpoint"
 
@@ -80,9 +83,24 @@ class StagedBackend:
         uri = self._store.uri_of_local_path(Path(path))
         if uri is None:
             return self._inner.save_adapter(adapter_id, path, with_optimizer=with_optimizer)
+        return self._staged_save(uri, adapter_id, with_optimizer, prepare=None)
+
+    def save_encrypted_adapter(self, adapter_id: AdapterId, path: Path, *, recipients: tuple[str, ...]) -> int:
+        """An age-encrypted export: encrypted in the private staging directory, so the bucket never sees
+        plaintext (see `services.storage.encrypted_saves`)."""
+        uri = self._store.uri_of_local_path(Path(path))
+        if uri is None:
+            return save_encrypted(self._inner, adapter_id, path, recipients)
+        return self._staged_save(uri, adapter_id, False, prepare=lambda d: encrypt_in_place(d, recipients))
+
+    def _staged_save(self, uri: str, adapter_id: AdapterId, with_optimizer: bool,
+                     prepare: Callable[[Path], object] | None) -> int:
+        """Write into a private staging directory, let `prepare` transform it, then upload (manifest last)."""
         staging = self._store.staging_dir()
         try:
             self._inner.save_adapter(adapter_id, staging / _STAGED_NAME, with_optimizer=with_optimizer)
+            if prepare is not None:
+                prepare(staging / _STAGED_NAME)
             return self._store.upload(uri, staging / _STAGED_NAME)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

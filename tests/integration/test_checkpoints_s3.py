@@ -16,7 +16,7 @@ import pytest
 from conftest import BASE, Harness, build_harness
 
 from services.auth.tenants import Tenant
-from services.control.api import CheckpointRef, Failed, Invalid, SaveOptions, WeightsLoaded
+from services.control.api import CheckpointRef, Failed, SaveOptions, WeightsLoaded
 from services.db import database_url_for_data_dir
 from services.db.ids import ModelId, SessionId
 from services.domain.training import AdamParams, Datum, ForwardBackwardResult, ForwardBackwardWork, LoraSpec
@@ -126,17 +126,53 @@ def test_corrupted_checkpoint_is_refused_on_load(nodes: tuple[Harness, Harness],
     assert "corrupted" in failed.error and "adapter_model.safetensors" in failed.error
 
 
-def test_encrypted_exports_are_refused_clearly_with_s3(nodes: tuple[Harness, Harness]) -> None:
+def _encrypted_export(h: Harness, recipient: str) -> str:
+    """A fresh adapter (seeded: the same weights on every node) exported age-encrypted; its storage URI."""
     from services.control.training import ExternalSaveOptions
 
+    t = h.tenant("acme")
+    model = h.run(h.control.create_model(t, h.session(t), 0, BASE, SPEC, None)).model_id
+    save = h.run(h.control.save(t, model, 1, "external", ExternalSaveOptions(name="x", age_recipients=(recipient,))))
+    assert isinstance(h.done(t, save.request_id), CheckpointRef)
+    return h.store.uri_for(t.id, model, "external", "x")
+
+
+def _decrypted(files: dict[str, bytes], identity: object) -> dict[str, bytes]:
+    import pyrage
+
+    assert all(name.endswith(".age") and body.startswith(b"age-encryption.org/v1") for name, body in files.items())
+    return {name.removesuffix(".age"): pyrage.decrypt(body, [identity]) for name, body in files.items()}
+
+
+def test_encrypted_export_on_s3_decrypts_to_the_local_stores_files(nodes: tuple[Harness, Harness],
+                                                                   s3_server: S3Server, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Encrypted on the saving node before the upload: the bucket holds only ciphertext, and what the SDK
+    (tinker_cookbook.weights.download) fetches through the presigned URLs decrypts to the local export's files."""
+    from datetime import UTC, datetime, timedelta
+
+    import httpx
+    import pyrage
+
+    identity = pyrage.x25519.Identity.generate()
+    recipient = str(identity.to_public())
     a, _ = nodes
-    t = a.tenant("acme")
-    model = a.run(a.control.create_model(t, a.session(t), 0, BASE, SPEC, None)).model_id
-    recipient = "age1qyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqszqgpqyqs3290gq"
-    options = ExternalSaveOptions(name="x", age_recipients=(recipient,))
-    with pytest.raises(Invalid) as info:
-        a.run(a.control.save(t, model, 1, "external", options))
-    assert info.value.field == "age_encryption_recipients"
+    uri = _encrypted_export(a, recipient)
+    assert isinstance(a.store, S3CheckpointStore)
+    keys = [o["Key"] for o in s3_client(s3_server.url).list_objects_v2(Bucket=a.store.location.bucket)["Contents"]]
+    assert keys and all(k.endswith((".age", "carpool-manifest.json")) for k in keys)  # no plaintext uploaded
+    urls = a.store.download_urls(uri, "http://unused", datetime.now(UTC) + timedelta(minutes=5))
+    from_s3 = _decrypted({name: httpx.get(url).raise_for_status().content for name, url in urls.items()}, identity)
+
+    (tmp_path / "local").mkdir()
+    local = build_harness(database_url_for_data_dir(tmp_path / "local"), tiny_model_dir, tmp_path / "local")
+    try:
+        folder = local.store.local_path(_encrypted_export(local, recipient))
+        from_local = _decrypted({f.name: f.read_bytes() for f in folder.iterdir()}, identity)
+    finally:
+        local.close()
+    assert sorted(from_s3) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert from_s3 == from_local
 
 
 def test_ttl_expiry_removes_the_objects(nodes: tuple[Harness, Harness], s3_server: S3Server) -> None:
