@@ -228,6 +228,8 @@ ROUTES: dict[tuple[str, str], Case | Exempt] = {
         "tinker_path": i.state_path, "hub": "huggingface", "repo_id": "bob/stolen"})),
     ("GET", "/v1/hub_pushes"): LISTING,
     ("GET", "/v1/hub_pushes/{push_id}"): Case(lambda i: Call("GET", f"/v1/hub_pushes/{i.push}")),
+    ("POST", "/v1/hub_pushes/{push_id}/retry"): Case(lambda i: Call("POST", f"/v1/hub_pushes/{i.push}/retry"),
+                                                     owner_ok=False),
     ("PUT", "/v1/hub_credentials/{hub_name}"): Exempt("the caller's own credential slot, named by hub"),
     ("DELETE", "/v1/hub_credentials/{hub_name}"): Exempt("the caller's own credential slot, named by hub"),
     ("GET", "/metrics"): Exempt("server-wide series, no tenant ids"),
