@@ -10,6 +10,10 @@ Each round (`sweep_once`):
   logged). Sampling sessions bound to a deleted checkpoint stop sampling at their next request (the
   control plane re-checks the binding).
 - stale sessions (unfinished, no heartbeat for `stale_session_s`; the SDK beats every 10 s) are finished.
+- debris of killed uploads (remote stores only: objects of checkpoints that never got their manifest, and
+  unfinished multipart uploads) older than `incomplete_upload_age_s` is removed through the store's
+  `sweep_incomplete`, at most once per `incomplete_sweep_every_s` (it lists the whole bucket prefix). The
+  age threshold keeps uploads in progress; it must exceed the longest save.
 
 Both work in pages of `batch` rows per transaction. Several gateway processes may sweep at once (cluster
 mode): deleting an already deleted row finds nothing and finishing a finished session is a no-op, so
@@ -23,6 +27,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol, runtime_checkable
 
 from services.db.checkpoints import delete_checkpoint, find_expired_checkpoints
 from services.db.columns import utcnow
@@ -44,6 +49,17 @@ class SweepOptions:
     """Rows per transaction."""
     max_batches: int = 50
     """Transactions per kind per round (a backlog is worked off over several rounds)."""
+    incomplete_upload_age_s: float = 3600.0
+    """Debris of an upload without a manifest is removed once its newest object is this old."""
+    incomplete_sweep_every_s: float = 600.0
+    """Least time between two debris sweeps (each lists every object under the store's prefix)."""
+
+
+@runtime_checkable
+class IncompleteUploads(Protocol):
+    """A remote store that can remove what killed uploads left (`S3CheckpointStore`)."""
+
+    def sweep_incomplete(self, older_than_s: float = 3600.0, *, now: float | None = None) -> int: ...
 
 
 @dataclass
@@ -51,6 +67,7 @@ class SweepReport:
     checkpoints_deleted: int = 0
     files_failed: int = 0
     sessions_finished: int = 0
+    incomplete_objects_removed: int = 0
 
 
 class Sweeper:
@@ -63,15 +80,32 @@ class Sweeper:
         self._store = store
         self.options = options or SweepOptions()
         self._clock = clock
+        self._last_debris_sweep: datetime | None = None
 
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
         self._expire_checkpoints(report)
         self._finish_stale_sessions(report)
-        if report.checkpoints_deleted or report.sessions_finished:
-            log.info("sweeper: %d expired checkpoints deleted (%d with file errors), %d stale sessions finished",
-                     report.checkpoints_deleted, report.files_failed, report.sessions_finished)
+        self._remove_upload_debris(report)
+        if report.checkpoints_deleted or report.sessions_finished or report.incomplete_objects_removed:
+            log.info("sweeper: %d expired checkpoints deleted (%d with file errors), %d stale sessions finished, "
+                     "%d objects of incomplete uploads removed", report.checkpoints_deleted, report.files_failed,
+                     report.sessions_finished, report.incomplete_objects_removed)
         return report
+
+    def _remove_upload_debris(self, report: SweepReport) -> None:
+        if not isinstance(self._store, IncompleteUploads):
+            return  # a local store writes into place; nothing is left behind by a killed save
+        now = self._clock()
+        last = self._last_debris_sweep
+        if last is not None and (now - last).total_seconds() < self.options.incomplete_sweep_every_s:
+            return
+        self._last_debris_sweep = now
+        try:
+            report.incomplete_objects_removed = self._store.sweep_incomplete(
+                self.options.incomplete_upload_age_s, now=now.timestamp())
+        except (StorageError, OSError) as exc:  # S3 down: the next sweep retries
+            log.warning("sweeper: debris of incomplete uploads not removed: %s", exc)
 
     def _expire_checkpoints(self, report: SweepReport) -> None:
         for _ in range(self.options.max_batches):

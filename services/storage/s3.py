@@ -241,11 +241,12 @@ class S3CheckpointStore:
             shutil.rmtree(filled, ignore_errors=True)
             raise
 
-    def sweep_incomplete(self, older_than_s: float = 3600.0) -> int:
-        """Remove objects of checkpoints that never got a manifest (a killed upload); returns objects removed."""
+    def sweep_incomplete(self, older_than_s: float = 3600.0, *, now: float | None = None) -> int:
+        """Remove objects of checkpoints that never got a manifest (a killed upload) whose newest object is
+        older than `older_than_s` at `now` (epoch seconds; default the current time); returns objects removed."""
         prefix = "/".join(p for p in (self.location.prefix, "tenants") if p) + "/"
         bucket = self.location.bucket
-        cutoff = time.time() - older_than_s
+        cutoff = (time.time() if now is None else now) - older_than_s
         groups: dict[str, list[tuple[str, float]]] = {}
         for obj in self._list_objects(bucket, prefix):
             parts = obj["Key"].split("/")

@@ -242,3 +242,31 @@ def test_storage_sweep_command(s3: S3CheckpointStore, s3_server: S3Server, monke
     assert result.exit_code == 0, result.output
     assert "removed 1 objects of incomplete checkpoints" in result.output
     assert s3.list_files(s3.uri_for("t", "r", "training", "whole")) == sorted(FILES)  # complete ones stay
+
+
+def test_sweeper_removes_killed_upload_debris_by_itself(s3: S3CheckpointStore, s3_server: S3Server,
+                                                        tmp_path: Path) -> None:
+    """The periodic sweeper (every gateway runs one) calls `sweep_incomplete` with its age threshold: a
+    half-upload is kept while it may still be in progress and removed once older than the threshold (the
+    sweeper's clock is driven, no sleeps); complete checkpoints stay."""
+    from services.control.sweeper import Sweeper, SweepOptions
+    from services.db import database_url_for_data_dir, open_database
+
+    killed = s3.uri_for("t", "r", "training", "killed").removeprefix(f"s3://{s3.location.bucket}/")
+    s3_client(s3_server.url).put_object(Bucket=s3.location.bucket, Key=f"{killed}/adapter_model.safetensors",
+                                        Body=b"partial")
+    whole = s3.uri_for("t", "r", "training", "whole")
+    _upload(s3, whole, FILES)
+    now = [datetime.now(UTC)]
+    db = open_database(database_url_for_data_dir(tmp_path), migrate=True)
+    try:
+        options = SweepOptions(incomplete_upload_age_s=3600, incomplete_sweep_every_s=600)
+        sweeper = Sweeper(db, s3, options, clock=lambda: now[0])
+        assert sweeper.sweep_once().incomplete_objects_removed == 0  # fresh: may be an upload in progress
+        now[0] += timedelta(seconds=3600 + 60)
+        assert sweeper.sweep_once().incomplete_objects_removed == 1
+    finally:
+        db.dispose()
+    keys = [o["Key"] for o in s3_client(s3_server.url).list_objects_v2(Bucket=s3.location.bucket)["Contents"]]
+    assert not [k for k in keys if k.startswith(f"{killed}/")]
+    assert s3.list_files(whole) == sorted(FILES)
