@@ -192,7 +192,9 @@ def _quota_options(settings: ServiceSettings) -> QuotaOptions:
 
 def sweeper_thread(settings: ServiceSettings, db: Database, store: CheckpointStore) -> SweeperThread:
     """The TTL / stale-session sweeper of a gateway process (started with the service)."""
-    options = SweepOptions(interval_s=settings.sweep_interval_seconds, stale_session_s=settings.stale_session_seconds)
+    options = SweepOptions(interval_s=settings.sweep_interval_seconds, stale_session_s=settings.stale_session_seconds,
+                           incomplete_upload_age_s=settings.s3_incomplete_upload_age_seconds,
+                           incomplete_sweep_every_s=settings.s3_incomplete_sweep_interval_seconds)
     return SweeperThread(Sweeper(db, store, options))
 
 

@@ -151,6 +151,11 @@ class ServiceSettings(BaseSettings):
         "Checkpoint files at least this large are uploaded and downloaded in parts of this size."))
     s3_timeout_seconds: float = Field(30.0, gt=0, description=(
         "Connect and read timeout of each S3 call (3 attempts); a save fails with a server error after it."))
+    s3_incomplete_upload_age_seconds: float = Field(3600.0, gt=0, description=(
+        "The sweeper removes objects of S3 checkpoints that never got their manifest (a killed upload) once "
+        "they are this old; keep it above the longest save."))
+    s3_incomplete_sweep_interval_seconds: float = Field(600.0, gt=0, description=(
+        "Least time between two sweeps for incomplete S3 uploads (each lists the bucket prefix)."))
     secret_key: SecretStr | None = Field(None, description=(
         "Server key that encrypts tenants' hub tokens at rest (any string, 32+ characters). Required in "
         "cluster mode; unset in `carpool serve`: generated once under <data_dir>/secrets."))
