@@ -2,7 +2,8 @@
 
     cluster up ─▶ PostgreSQL database (CARPOOL_DATABASE_URL, or `carpool` on the local server, created
                   and migrated) ─▶ local Ray ─▶ Serve worker deployments ─▶ one SchedulerService per base
-                  model ─▶ cluster gateway on --port ─▶ until SIGINT/SIGTERM, then everything stops
+                  model ─▶ cluster gateway on --port ─▶ one `carpool hub-worker` child process (hub
+                  pushes) ─▶ until SIGINT/SIGTERM, then everything stops
 
 Every part is the production one (the same processes `carpool worker`, `carpool scheduler` and `carpool
 serve --mode cluster` run separately); only the schedulers share the gateway's process here.
@@ -23,6 +24,7 @@ from sqlalchemy.pool import NullPool
 from deploy.cluster_gateway import build_cluster_gateway
 from deploy.cluster_wiring import cluster_config, connect_redis, open_cluster_database, process_name
 from deploy.embedded import StartupError, install_key_redaction
+from deploy.hub_process import HubWorkerProcess
 from deploy.scheduler_service import SchedulerService
 from deploy.settings import ClusterSettings
 from services.db.engine import normalize_database_url
@@ -103,6 +105,7 @@ def cluster_up(settings: ClusterSettings) -> None:
     start_ray(settings, config)
     schedulers: list[SchedulerService] = []
     gateway: Any = None
+    hub_worker = HubWorkerProcess(settings)
     try:
         client, db = connect_redis(settings), open_cluster_database(settings)
         # One registry for the process: the gateway's /metrics shows its schedulers' series too.
@@ -113,10 +116,12 @@ def cluster_up(settings: ClusterSettings) -> None:
             scheduler.start()
         gateway = build_cluster_gateway(settings, metrics=metrics)
         gateway.service.start()  # the sweeper (the gateway runs no scheduler loops)
+        hub_worker.start()  # consumes the hub pushes the gateway queues (after the secret key was checked)
         log.info("cluster serving %s on http://%s:%d", ", ".join(s.name for s in config.base_models),
                  settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
     finally:
+        hub_worker.stop()
         for scheduler in schedulers:
             scheduler.stop()
         if gateway is not None:

@@ -106,3 +106,47 @@ def test_hub_worker_refuses_to_start_without_a_secret_key(tmp_path: Path) -> Non
     done = subprocess.run([CARPOOL, "hub-worker"], env={**env, "CARPOOL_DATA_DIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "CARPOOL_SECRET_KEY" in done.stdout + done.stderr
+
+
+def test_cluster_up_runs_a_hub_worker_that_consumes_pushes_and_stops_with_it(
+        database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`carpool cluster up` starts one `carpool hub-worker` child (`HubWorkerProcess`) with the cluster's
+    settings: a push queued by the gateway is executed (here: failed, the hub is unreachable) instead of
+    staying queued, and stopping the cluster stops the child."""
+    from deploy.cluster_commands import cluster_settings
+    from deploy.hub_process import HubWorkerProcess, hub_worker_env
+
+    prefix = f"carpool-hubup-{uuid.uuid4().hex[:8]}"
+    push_id, tenant_id = _queued_push(database_url, tmp_path / "data")
+    for key, value in {"CARPOOL_DATABASE_URL": database_url, "CARPOOL_REDIS_URL": REDIS_URL,
+                       "CARPOOL_REDIS_PREFIX": prefix, "CARPOOL_SECRET_KEY": SECRET,
+                       "CARPOOL_HUB_PUSH_MAX_RETRIES": "0", "CARPOOL_HUB_TIMEOUT_SECONDS": "5",
+                       "CARPOOL_ALLOW_INSECURE_REDIS": "1", "CARPOOL_METRICS_PORT": str(free_port()),
+                       "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_OFFLINE": "0"}.items():
+        monkeypatch.setenv(key, value)
+    settings = cluster_settings(data_dir=tmp_path / "data")
+    env = hub_worker_env(settings)
+    assert env["CARPOOL_DATA_DIR"] == str(tmp_path / "data") and "CARPOOL_METRICS_PORT" not in env
+    worker = HubWorkerProcess(settings, concurrency=1, log_file=tmp_path / "hub.log", stop_timeout_s=20)
+    worker.start()
+    db = open_database(database_url)
+    try:
+        CeleryDispatcher(celery_app(REDIS_URL, prefix=prefix)).dispatch(push_id)
+        status = "queued"
+        for _ in range(1200):
+            with db.sessions.begin() as s:
+                status = get_hub_push(s, TenantId(tenant_id), push_id).status  # type: ignore[union-attr]
+            if status == "failed" or not worker.running:
+                break
+            time.sleep(0.1)
+        assert status == "failed", (tmp_path / "hub.log").read_text()[-3000:]
+        pid = worker.pid
+        assert worker.running and pid is not None
+        worker.stop()
+        assert not worker.running and worker.pid is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped: the child is gone, not a zombie
+    finally:
+        worker.stop()
+        db.dispose()
+        wipe_prefix(REDIS_URL, prefix)
