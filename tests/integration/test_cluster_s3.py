@@ -101,7 +101,8 @@ def _steps(training: object, batches: list[object]) -> list[float]:
 
 
 def test_save_on_one_replica_load_and_continue_on_the_other(stack: ClusterStack, tiny_model_dir: Path,
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, s3_server: S3Server) -> None:
+    import pyrage
     import tinker
 
     first = _replica(stack, tmp_path / "node-a")
@@ -114,6 +115,13 @@ def test_save_on_one_replica_load_and_continue_on_the_other(stack: ClusterStack,
     losses = _steps(training, batches[:2])
     path = training.save_state("half").result().path
     assert list((tmp_path / "node-a" / "s3-cache").rglob("carpool_state.safetensors"))  # staged through A
+    # An age-encrypted export is encrypted on the replica before its upload: only ciphertext in the bucket.
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
+    training.save_weights_external("enc", age_encryption_recipients=[recipient]).result()  # type: ignore[attr-defined]
+    bucket = (stack.settings.storage_url or "").removeprefix("s3://").split("/")[0]
+    listed = s3_client(s3_server.url).list_objects_v2(Bucket=bucket)["Contents"]
+    exported = [o["Key"] for o in listed if "/external/enc/" in o["Key"]]
+    assert exported and all(k.endswith((".age", "carpool-manifest.json")) for k in exported), exported
 
     _replica(stack, tmp_path / "node-b")
     first.stop(leave=False)  # type: ignore[attr-defined]  # dies without a goodbye
