@@ -2,8 +2,9 @@
 
 A checkpoint becomes visible only when its manifest is written last, so an upload cut short (a worker
 killed mid-save) leaves objects nobody can load, plus unfinished multipart uploads. This command removes
-both once they are older than `--older-than` seconds (so an upload in progress is never touched). Run it
-from cron or a Kubernetes CronJob with the workers' settings; with local storage there is nothing to do.
+both once they are older than `--older-than` seconds (so an upload in progress is never touched). Every
+gateway's sweeper already does this on its own (`CARPOOL_S3_INCOMPLETE_UPLOAD_AGE_SECONDS`); this command
+is for doing it now, by hand. With local storage there is nothing to do.
 """
 
 from __future__ import annotations
