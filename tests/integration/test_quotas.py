@@ -2,7 +2,9 @@
 calls after 429s once the tenant is back under its limits; a refused seq id the client abandons is consumed
 so the model is not blocked; and the Redis `QuotaStore` that several gateway processes share.
 
-The token window is shortened to two seconds (`QuotaOptions.token_window_s`) so the suite takes seconds.
+The token window is shortened to two seconds (`QuotaOptions.token_window_s`), and the live server's buckets
+run on a clock that moves only by the waits its 429s announce, so refusals and retries do not depend on
+how fast the box is.
 """
 
 from __future__ import annotations
@@ -67,12 +69,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _count_statuses(app: FastAPI, statuses: list[int], calls: list[tuple[str, int]]) -> None:
+def _count_statuses(app: FastAPI, statuses: list[int], calls: list[tuple[str, int]], clock: FakeClock) -> None:
     @app.middleware("http")
     async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
         response: Response = await call_next(request)
         statuses.append(response.status_code)
         calls.append((request.url.path, response.status_code))
+        if response.status_code == 429 and "retry-after-ms" in response.headers:
+            # The buckets' clock moves only by the waits the server announces (the SDK sleeps them before
+            # its retry): a refusal is certain, and so is the acceptance of the retry, however slow the box.
+            clock.now += float(response.headers["retry-after-ms"]) / 1000
         return response
 
 
@@ -80,7 +86,9 @@ def _count_statuses(app: FastAPI, statuses: list[int], calls: list[tuple[str, in
 def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     data_dir = tmp_path_factory.mktemp("quotas-live")
     options = ControlOptions(scratch_dir=data_dir / "scratch", quotas=QuotaOptions(token_window_s=WINDOW_S))
-    harness = build_harness(database_url_for_data_dir(data_dir), tiny_model_dir, data_dir, options=options)
+    clock = FakeClock()
+    harness = build_harness(database_url_for_data_dir(data_dir), tiny_model_dir, data_dir, options=options,
+                            quota_store=InProcessQuotaStore(clock=clock))
     quotas = {"tpm": TenantQuotas(tokens_per_minute=24), "conc": TenantQuotas(max_concurrent_requests=1)}
     with harness.db.sessions.begin() as session:
         keys = {name: create_tenant_with_key(session, name, quotas=q)[1].key for name, q in quotas.items()}
@@ -88,7 +96,7 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                      DatabaseAuthenticator(harness.db, cache_seconds=0))
     statuses: list[int] = []
     calls: list[tuple[str, int]] = []
-    _count_statuses(app, statuses, calls)
+    _count_statuses(app, statuses, calls, clock)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
