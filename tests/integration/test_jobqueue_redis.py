@@ -149,12 +149,13 @@ def test_poison_entries_are_moved_aside_and_do_not_block_the_stream(client: redi
 
 def test_a_block_never_outlasts_the_client_socket_timeout(prefix: str, client: redis.Redis,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    impatient = redis.Redis.from_url(REDIS_URL, socket_timeout=0.3)
+    # A generous socket timeout: the cap leaves 20 % of it (0.6 s) for the reply to arrive on a busy box.
+    impatient = redis.Redis.from_url(REDIS_URL, socket_timeout=3.0)
     queue = RedisWorkQueue(impatient, prefix=prefix)
     # A server-side block longer than the socket timeout ends in redis.TimeoutError on the client, which
     # the queue then retries as if Redis were down; capped below it, the read simply returns empty.
     with caplog.at_level(logging.WARNING, logger="services.jobqueue"):
-        assert queue.claim(BASE, max_items=1, timeout_s=2.0) == []
+        assert queue.claim(BASE, max_items=1, timeout_s=8.0) == []
     assert not [r for r in caplog.records if "redis retry" in r.getMessage()], caplog.text
     impatient.close()
 
