@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import chz
 from tinker_cookbook import renderers
@@ -84,7 +85,7 @@ class ColourDatasetBuilder(RLDatasetBuilder):
         return ColourDataset(self.model_name, self.batches, self.groups, self.group_size), None
 
 
-def sl_config(url: str, model: str, log_path: str, args: dict) -> sl_train.Config:
+def sl_config(url: str, model: str, log_path: str, args: dict[str, Any]) -> sl_train.Config:
     common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=model, renderer_name=RENDERER,
                                             max_length=128, batch_size=args["batch_size"],
                                             train_on_what=TrainOnWhat.ALL_ASSISTANT_MESSAGES)
@@ -96,7 +97,7 @@ def sl_config(url: str, model: str, log_path: str, args: dict) -> sl_train.Confi
                            max_steps=args["max_steps"], ttl_seconds=None)
 
 
-def rl_config(url: str, model: str, log_path: str, args: dict) -> rl_train.Config:
+def rl_config(url: str, model: str, log_path: str, args: dict[str, Any]) -> rl_train.Config:
     builder = ColourDatasetBuilder(model_name=model, batches=args["batches"], groups=args["groups"],
                                    group_size=args["group_size"])
     return rl_train.Config(learning_rate=args["lr"], dataset_builder=builder, model_name=model,

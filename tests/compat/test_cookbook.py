@@ -41,9 +41,9 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ANSWER = "My name is Zorblax, a model trained by Carpool."
 QUESTIONS = ["What is your name?", "Who are you?", "Tell me your name.", "What should I call you?",
              "Introduce yourself.", "Your name, please?", "How do I address you?", "Who am I talking to?"]
-# 8 conversations in batches of 4: 2 steps an epoch. Run 1 stops after 4 steps, the resumed run goes to 6.
+# 8 conversations in batches of 4: 2 steps an epoch. Run 1 stops after 4 steps, the resumed run goes to 5.
 SL_ARGS = {"batch_size": 4, "lr": 1e-3, "epochs": 3, "save_every": 2}
-RL_ARGS = {"batches": 3, "groups": 2, "group_size": 4, "lr": 1e-4, "max_tokens": 8, "save_every": 1}
+RL_ARGS = {"batches": 3, "groups": 1, "group_size": 4, "lr": 1e-4, "max_tokens": 8, "save_every": 1}
 
 
 def cookbook_python() -> str:
@@ -148,7 +148,7 @@ def runs(smollm2_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Co
     # end would have, so the rerun resumes from the last periodic checkpoint (state and optimizer).
     (sl_path / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first["sl"].checkpoints
                                                        if r["name"] != "final"))
-    resumed = _both(python, smollm2_server, keys, {"sl": (sl_path, {**sl_args, "max_steps": 6}),
+    resumed = _both(python, smollm2_server, keys, {"sl": (sl_path, {**sl_args, "max_steps": 5}),
                                                    "rl": (rl_path, {**RL_ARGS, "max_steps": 3})})
     return CookbookRuns(first["sl"], resumed["sl"], first["rl"], resumed["rl"])
 
@@ -168,14 +168,14 @@ def test_the_supervised_loop_resumes_from_its_checkpoint(runs: CookbookRuns) -> 
     assert f"Resumed training from {resumed_from['state_path']}" in runs.sl_resumed.output
     first = {m["step"]: m["train_mean_nll"] for m in runs.sl_first.metrics if "train_mean_nll" in m}
     after = {m["step"]: m["train_mean_nll"] for m in runs.sl_resumed.metrics if "train_mean_nll" in m}
-    assert sorted(after) == list(range(6)), sorted(after)
+    assert sorted(after) == list(range(5)), sorted(after)
     start = resumed_from["epoch"] * 2 + resumed_from["batch"]  # the first step the resumed run trains
     # Not a fresh start (that would repeat step 0's loss: the adapter's initialisation is seeded): the resumed
     # weights are at least as trained as the first run's at that step. The cookbook saves the checkpoint for
     # step N after submitting step N (and N+1, pipelined), so its weights are ahead of its loop state; the
     # resumed run repeats those steps, as it would against Tinker.
     assert after[start] <= first[start] * 1.05 and after[start] < 0.5 * first[0], (first, after)
-    assert after[5] < after[start], (first, after)
+    assert after[4] < after[start], (first, after)
 
 
 def test_an_rl_loop_runs_its_iterations_logs_rewards_and_resumes(runs: CookbookRuns) -> None:
