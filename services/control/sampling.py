@@ -53,8 +53,8 @@ class SamplingOps:
         self._ctx = ctx
         self._samplers = samplers
         self._loader = CheckpointLoader(ctx, loads)
-        self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
         self._binding_check = BindingCheck(ctx.options.sampler_recheck_s)
+        self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
 
     async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
                                       model_path: str | None, base_model: str | None) -> SamplingSessionId:
@@ -92,8 +92,8 @@ class SamplingOps:
         served = self._ctx.registry.for_run(row.base_model)
         _validate(work, served)
         binding = self._samplers.get(sampler_id) or await self._recover_binding(tenant, row)
-        work = replace(work, adapter_id=binding.adapter_id)
         await self._check_still_readable(tenant, row, binding)
+        work = replace(work, adapter_id=binding.adapter_id)
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
             tokens = sample_tokens(work)

@@ -73,6 +73,7 @@ def cluster_settings(data_dir: Path, model_dir: Path, database_url: str, redis_u
         data_dir=data_dir, base_models=[f"{BASE}={model_dir}"], database_url=database_url, redis_url=redis_url,
         redis_prefix=prefix, device="cpu", dtype="float32", heartbeat_ttl_seconds=1.5, snapshot_every_steps=2,
         scheduler_lease_seconds=3.0, batch_window_ms=20.0, replica_wait_seconds=60.0, model_info_wait_seconds=120.0,
+        allow_insecure_redis=True,  # the test Redis has no password
         secret_key=TEST_SECRET_KEY,  # cluster mode refuses to start without one (hub tokens at rest)
     )
     values.update(overrides)
