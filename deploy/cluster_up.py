@@ -133,15 +133,24 @@ def run_workers(settings: ClusterSettings) -> None:
     """Deploy the worker applications and keep them until SIGINT/SIGTERM (the container's lifetime)."""
     install_key_redaction()
     config = cluster_config(settings)
-    start_ray(settings, config)
+    # Handlers first: a signal that lands while Serve is still deploying must stop cleanly (exit 0), not
+    # raise KeyboardInterrupt out of start_ray.
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    log.info("workers of %s deployed; stop with SIGTERM", ", ".join(s.name for s in config.base_models))
+    _stop_on_signals(stop)
     try:
+        start_ray(settings, config)
+        _stop_on_signals(stop)  # again: Ray may install its own handlers while it starts
+        log.info("workers of %s deployed; stop with SIGTERM", ", ".join(s.name for s in config.base_models))
         stop.wait()
+    except KeyboardInterrupt:
+        log.info("interrupted while deploying; stopping")
     finally:
         stop_ray(settings, config)
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
 
 
 def run_scheduler(settings: ClusterSettings, base_model: str) -> None:

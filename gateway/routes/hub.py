@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,14 +98,17 @@ async def list_hub_pushes(
     return HubPushList(hub_pushes=[_push(v) for v in views], total_count=total, limit=limit, offset=offset)
 
 
+PushId = Annotated[int, Path(ge=1, le=2**63 - 1, description="The push's id (a positive 64-bit integer)")]
+
+
 @router.get("/hub_pushes/{push_id}", response_model=HubPush, summary="Get a hub push")
-async def get_hub_push(push_id: int, tenant: CurrentTenant, hub: Hub) -> HubPush:
+async def get_hub_push(push_id: PushId, tenant: CurrentTenant, hub: Hub) -> HubPush:
     return _push(await hub.get(tenant, push_id))
 
 
 @router.post("/hub_pushes/{push_id}/retry", status_code=202, response_model=HubPush,
              summary="Retry a failed hub push", responses={409: {"description": "The push is not failed"}})
-async def retry_hub_push(push_id: int, tenant: CurrentTenant, hub: Hub) -> JSONResponse:
+async def retry_hub_push(push_id: PushId, tenant: CurrentTenant, hub: Hub) -> JSONResponse:
     try:
         view = await hub.retry(tenant, push_id)
     except NotRetryable as exc:

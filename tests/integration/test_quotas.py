@@ -89,7 +89,10 @@ def live(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     clock = FakeClock()
     harness = build_harness(database_url_for_data_dir(data_dir), tiny_model_dir, data_dir, options=options,
                             quota_store=InProcessQuotaStore(clock=clock))
-    quotas = {"tpm": TenantQuotas(tokens_per_minute=24), "conc": TenantQuotas(max_concurrent_requests=1)}
+    # One tenant per test that spends tokens: buckets refill only by announced waits (the fake clock), so a
+    # bucket another test drained would refuse this test's first call, in whichever order they run.
+    quotas = {"tpm": TenantQuotas(tokens_per_minute=24), "tpm_sample": TenantQuotas(tokens_per_minute=24),
+              "conc": TenantQuotas(max_concurrent_requests=1)}
     with harness.db.sessions.begin() as session:
         keys = {name: create_tenant_with_key(session, name, quotas=q)[1].key for name, q in quotas.items()}
     app = create_app(GatewaySettings(long_poll_seconds=5, auth_cache_seconds=0), harness.control,
@@ -134,7 +137,7 @@ def test_sdk_training_call_finishes_after_429s_once_the_bucket_refills(live: Liv
 
 
 def test_sdk_sampling_finishes_after_429s(live: Live) -> None:
-    client = tinker.ServiceClient(base_url=live.url, api_key=live.keys["tpm"])
+    client = tinker.ServiceClient(base_url=live.url, api_key=live.keys["tpm_sample"])
     sampler = client.create_sampling_client(base_model=BASE).result()
     params = types.SamplingParams(max_tokens=8, temperature=0.0)
     prompt = types.ModelInput.from_ints([1, 2, 3, 4])
