@@ -288,6 +288,15 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def assert_equal_to_reference(database_url: str, data_dir: Path, paths: list[str],
+                              expected: list[dict[str, torch.Tensor]], label: str = "") -> None:
+    """Each tenant's saved checkpoint (`paths[i]`) equals its solo reference weights to 1e-5."""
+    for tenant, path in enumerate(paths):
+        difference = max_difference(saved_weights(database_url, data_dir, path), expected[tenant])
+        print(f"{label}tenant {tenant}: max |cluster - reference| = {difference:.2e}")
+        assert difference <= 1e-5, f"{label}tenant {tenant}"
+
+
 @contextlib.contextmanager
 def scratch_prefix() -> Iterator[str]:
     import uuid

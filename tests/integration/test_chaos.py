@@ -37,12 +37,11 @@ from tests.integration.cluster_support import (
     BASE,
     REDIS_URL,
     ClusterStack,
+    assert_equal_to_reference,
     cluster_settings,
     create_tenant_keys,
-    max_difference,
     prepared_database,
     reference_weights,
-    saved_weights,
     scratch_prefix,
     settings_env,
     train_all,
@@ -108,10 +107,4 @@ def test_training_survives_random_kills_of_scheduler_replica_and_gateway(seed: i
             log.close()
             stack.close()
         expected = reference_weights(tiny_model_dir, TENANTS, STEPS)
-        for tenant, path in enumerate(paths):
-            got = saved_weights(settings.resolved_database_url(), settings.data_dir, path)
-            difference = max_difference(got, expected[tenant])
-
-            print(f"seed {seed} tenant {tenant}: max |chaos - reference| = {difference:.2e}")
-
-            assert difference <= 1e-5, f"seed {seed}, tenant {tenant}"
+        assert_equal_to_reference(settings.resolved_database_url(), settings.data_dir, paths, expected, f"seed {seed} ")

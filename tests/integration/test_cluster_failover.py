@@ -27,6 +27,7 @@ from tests.integration.cluster_support import (
     BASE,
     REDIS_URL,
     ClusterStack,
+    assert_equal_to_reference,
     cluster_settings,
     create_tenant_keys,
     max_difference,
@@ -82,13 +83,7 @@ def test_a_replica_dies_mid_training_and_nothing_is_lost(stack: ClusterStack, ti
     assert set(pool.placement().values()) == {second.replica_id}
     assert scheduler.loop is not None and scheduler.loop.stats().multi_tenant_passes > 0
     expected = reference_weights(tiny_model_dir, TENANTS, STEPS)
-    for tenant, path in enumerate(paths):
-        got = saved_weights(stack.settings.resolved_database_url(), stack.settings.data_dir, path)
-        difference = max_difference(got, expected[tenant])
-
-        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
-
-        assert difference <= 1e-5, f"tenant {tenant}"
+    assert_equal_to_reference(stack.settings.resolved_database_url(), stack.settings.data_dir, paths, expected)
 
 
 def test_a_standby_scheduler_takes_over_from_a_killed_one(stack: ClusterStack, tiny_model_dir: Path,
@@ -121,13 +116,7 @@ def test_a_standby_scheduler_takes_over_from_a_killed_one(stack: ClusterStack, t
     finally:
         active.kill()
     expected = reference_weights(tiny_model_dir, 3, STEPS)
-    for tenant, path in enumerate(paths):
-        got = saved_weights(stack.settings.resolved_database_url(), stack.settings.data_dir, path)
-        difference = max_difference(got, expected[tenant])
-
-        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
-
-        assert difference <= 1e-5, f"tenant {tenant}"
+    assert_equal_to_reference(stack.settings.resolved_database_url(), stack.settings.data_dir, paths, expected)
 
 
 def test_carpool_worker_serves_a_tenant_and_stops_on_sigint(stack: ClusterStack, tiny_model_dir: Path,

@@ -27,12 +27,11 @@ from tests.integration.cluster_support import (
     REDIS_URL,
     ClusterStack,
     GatewayProcess,
+    assert_equal_to_reference,
     cluster_settings,
     create_tenant_keys,
-    max_difference,
     prepared_database,
     reference_weights,
-    saved_weights,
     scratch_prefix,
     train_all,
     wait_until,
@@ -80,13 +79,7 @@ def test_killed_replica_and_restarted_gateway_lose_nothing(ray_instance: None, t
             assert scheduler.loop is not None and scheduler.loop.stats().multi_tenant_passes > 0
             wait_until(lambda: len(link.live_replicas()) == 2, 60, "Serve did not replace the killed replica")
             expected = reference_weights(tiny_model_dir, TENANTS, STEPS)
-            for tenant, path in enumerate(paths):
-                got = saved_weights(settings.resolved_database_url(), settings.data_dir, path)
-                difference = max_difference(got, expected[tenant])
-
-                print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
-
-                assert difference <= 1e-5, f"tenant {tenant}"
+            assert_equal_to_reference(settings.resolved_database_url(), settings.data_dir, paths, expected)
         finally:
             gateway.kill()
             stack.close()

@@ -20,13 +20,12 @@ from tests.integration.cluster_support import (
     ClusterStack,
     PrivatePostgres,
     PrivateRedis,
+    assert_equal_to_reference,
     cluster_settings,
     create_tenant_keys,
-    max_difference,
     postgres_bin_dir,
     prepared_database,
     reference_weights,
-    saved_weights,
     scratch_prefix,
     train_all,
 )
@@ -55,13 +54,7 @@ def _train_through(stack: ClusterStack, fault: Callable[[], None], model_dir: Pa
 
     paths = train_all(stack.url, keys, STEPS, after_step)
     expected = reference_weights(model_dir, TENANTS, STEPS)
-    for tenant, path in enumerate(paths):
-        got = saved_weights(database_url, stack.settings.data_dir, path)
-        difference = max_difference(got, expected[tenant])
-
-        print(f"tenant {tenant}: max |cluster - reference| = {difference:.2e}")
-
-        assert difference <= 1e-5, f"tenant {tenant}"
+    assert_equal_to_reference(database_url, stack.settings.data_dir, paths, expected)
 
 
 def test_redis_restart_loses_nothing_acknowledged(tmp_path: Path, tiny_model_dir: Path) -> None:
