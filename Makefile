@@ -48,8 +48,8 @@ fuzz: install services
 		tests/unit/test_decoder_fuzz.py tests/e2e/test_fuzz_openapi.py tests/e2e/test_ownership_matrix.py $(PYTEST_ARGS)
 
 chaos: install services
-	CHAOS_ROUNDS=6 CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -p no:randomly tests/integration/test_chaos.py \
-		tests/integration/test_double_apply_window.py $(PYTEST_ARGS)
+	CHAOS_ROUNDS=6 CHAOS_STEPS=8 CHAOS_REPEATS=2 CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -p no:randomly \
+		tests/integration/test_chaos.py tests/integration/test_double_apply_window.py $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/packing.py

@@ -202,7 +202,9 @@ def _version_tuple(version: str | None) -> tuple[int, ...] | None:
         return None
     parts: list[int] = []
     for part in version.split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
+        # ASCII digits only: `str.isdigit` is also true of "²" or "١", which `int` refuses (a 500 on
+        # POST /v1/sessions that schemathesis found).
+        digits = "".join(ch for ch in part if ch in "0123456789")
         if not digits:
             break
         parts.append(int(digits))

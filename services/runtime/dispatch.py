@@ -5,9 +5,14 @@ them go to the backend in a single `forward_backward([...])` call, so they share
 Sample batches likewise become one `sample([...])` call.
 
 Every backend call is wrapped: an exception fails only the item that raised (category `server`, logged
-with its request ids), never the loop. A packed pass of several requests that raises is run again one
-request at a time, so one tenant's poison input (or an allocation only its data needs) fails only that
-tenant's request, and nobody sees another tenant's error text. Results come back as the scheduler's
+with its request ids), never the loop. `Fenced` is the exception: a replica refused the call because a
+newer scheduler holds the lease, so this scheduler has been deposed and the item is not its to answer. It
+propagates (the loop logs it and carries on until its service notices the lost lease): no result is
+stored, no entry acked, and the leader adopts the entries (`recovery.GuardedQueue`) and runs them.
+
+A packed pass of several requests that raises is run again one request at a time, so one tenant's poison
+input (or an allocation only its data needs) fails only that tenant's request, and nobody sees another
+tenant's error text. Results come back as the scheduler's
 `complete()` expects them: one per request in the item's order, or a single `WorkError` for the whole item.
 """
 
@@ -22,6 +27,7 @@ from services.domain.backend import Backend
 from services.domain.sampling import SampleResult
 from services.domain.training import WorkError
 from services.runtime.commands import BarrierCommand, ForwardBackward, Sample
+from services.runtime.replica_protocol import Fenced
 from services.runtime.reporting import LoopCounters
 from services.scheduler.requests import BarrierPlan, PassPlan, PlanItem, QueuedRequest, SampleBatchPlan
 
@@ -40,7 +46,7 @@ class Dispatcher:
         self._base_model = base_model
 
     def run(self, item: PlanItem) -> ItemResults:
-        """Run any plan item; never raises."""
+        """Run any plan item; raises nothing but `Fenced` (see the module docstring)."""
         if isinstance(item, PassPlan):
             return self._guarded(item, self._packed_pass)
         if isinstance(item, BarrierPlan):
@@ -50,6 +56,10 @@ class Dispatcher:
     def _guarded(self, item: PlanItem, run: Callable[[PlanItem], ItemResults]) -> ItemResults:
         try:
             return run(item)
+        except Fenced:
+            log.warning("%s: %s fenced: a newer scheduler leads; leaving requests %s to it", self._base_model,
+                        type(item).__name__, ", ".join(r.request_id for r in item.requests))
+            raise
         except Exception as exc:  # noqa: BLE001 - any backend failure must fail this item only
             ids = ", ".join(r.request_id for r in item.requests)
             log.exception("%s: %s failed (requests %s)", self._base_model, type(item).__name__, ids)
@@ -74,6 +84,8 @@ class Dispatcher:
         started = time.perf_counter()
         try:
             results = self._backend.forward_backward(works)
+        except Fenced:
+            raise
         except Exception:
             if len(works) < 2:
                 raise
@@ -95,6 +107,8 @@ class Dispatcher:
         for request in item.requests:
             try:
                 results.extend(self._backend.forward_backward([_payload(request, ForwardBackward).work]))
+            except Fenced:
+                raise
             except Exception as exc:  # noqa: BLE001 - this request's own failure, reported to it alone
                 log.exception("%s: request %s failed on its own", self._base_model, request.request_id)
                 results.append(WorkError(f"internal error while running the request: {type(exc).__name__}: "

@@ -32,7 +32,11 @@ forever, and so would their clients. `GuardedQueue` remembers which entries it h
 not yet acknowledged; every `check_every_s` it lists this consumer's pending entries and hands out again
 the ones the loop never got and that have been idle for a whole check interval (entries `recover()`
 re-queued are handed out by the next claims, well within that). Nothing the loop holds is handed out
-twice, so nothing is acknowledged early.
+twice, so nothing is acknowledged early. The same sweep adopts entries left pending for *another*
+consumer: a scheduler that was deposed (its lease lapsed during a Redis restart, say) can claim entries
+after its successor's `recover()` and before it notices; its replica calls are then fenced and it answers
+none of them (`services.runtime.dispatch`), so the leader must take them over or their clients would wait
+forever.
 """
 
 from __future__ import annotations
@@ -314,13 +318,15 @@ class GuardedQueue:
         return self._queue.depth(base_model)
 
     def _lost(self, base_model: str) -> list[Delivery]:
-        """Entries pending for this consumer that the loop never received."""
+        """Entries idle for `check_every_s` that the loop does not hold: pending for this consumer but never
+        received, or pending for another consumer — a scheduler that claimed them after this one's recovery
+        and then died, stopped or was fenced (see `dispatch`). Only the lease holder runs a loop, so such
+        entries are nobody's; XCLAIM's min-idle check leaves any that were just delivered alone."""
         key = self._queue.stream_key(base_model)
+        idle_ms = int(self._check_every_s * 1000)
         try:
             pending = self._retry.call_with_retry(
-                lambda: self._client.xpending_range(key, self._group, "-", "+", PENDING_PAGE,
-                                                    consumername=self._queue.consumer,
-                                                    idle=int(self._check_every_s * 1000)),
+                lambda: self._client.xpending_range(key, self._group, "-", "+", PENDING_PAGE, idle=idle_ms),
                 lambda error: log.warning("redis retry: %s", error))
         except redis.ResponseError:  # no group yet: nothing can be pending
             return []
@@ -328,9 +334,9 @@ class GuardedQueue:
             lost = [as_text(p["message_id"]) for p in pending if as_text(p["message_id"]) not in self._held]
         if not lost:
             return []
-        log.warning("%s: %d queue entries were delivered but never received; handing them out", base_model,
-                    len(lost))
-        entries = self._client.xclaim(key, self._group, self._queue.consumer, 0, lost)
+        log.warning("%s: %d queue entries were delivered but never received (here or by a deposed scheduler); "
+                    "handing them out", base_model, len(lost))
+        entries = self._client.xclaim(key, self._group, self._queue.consumer, idle_ms, lost)
         return [d for d in (_delivery(entry_id, fields) for entry_id, fields in entries) if d is not None]
 
 

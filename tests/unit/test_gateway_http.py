@@ -411,6 +411,8 @@ def test_settings_reject_unsafe_values() -> None:
     settings = GatewaySettings()
     assert settings.sdk_version_is_old("0.25.1") and not settings.sdk_version_is_old("0.38.0")
     assert not settings.sdk_version_is_old(None) and not settings.sdk_version_is_old("dev")
+    # Unicode digits that are not ASCII: unknown versions, not a ValueError (a 500 on POST /v1/sessions).
+    assert not settings.sdk_version_is_old("²") and not settings.sdk_version_is_old("١.٣٨")
 
 
 def test_openapi_documents_hand_parsed_bodies(client: TestClient) -> None:
