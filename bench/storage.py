@@ -8,6 +8,12 @@ Three ways, in one run, through the code the service uses (`Engine.save_adapter`
             empty cache and verified before the engine reads it (another node's first load)
     cached  a load from S3 whose checkpoint is already in this node's cache (one manifest GET)
 
+For context, not in the RESULT line, each round also times a local save into a scratch directory (no
+fsync: what the local save would cost if it were not durable, so the effect of fsync on the baseline is
+visible) and the bare transfers of the same files with boto3 (PutObject / GetObject from and to memory,
+files in parallel: the least any S3 save or cold load can cost against this server). They print as
+INFO ratios to the local save / load.
+
 The S3 server is `moto_server` on 127.0.0.1 by default (started here), or real S3/MinIO with
 `--endpoint-url` / `--bucket` (credentials from the standard AWS chain). Rounds are interleaved so drift on
 a shared machine hits all three alike; the first round is a warm-up. The last line is machine-readable:
@@ -31,6 +37,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardWork, LoraSpec  # noqa: E402
+from services.storage.durability import mark_scratch  # noqa: E402
 from services.storage.s3 import S3CheckpointStore, build_s3_store  # noqa: E402
+from services.storage.s3_transfer import client_config  # noqa: E402
 from services.storage.staging import StagedBackend  # noqa: E402
 
 
@@ -90,20 +99,42 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def bare_transfers(client: Any, bucket: str, local: Path, i: int) -> dict[str, float]:
+    """PutObject of each checkpoint file's bytes from memory, then GetObject into memory (files in parallel)."""
+    blobs = {f.name: f.read_bytes() for f in local.iterdir() if f.is_file()}
+
+    def each(fn: Callable[[str], object]) -> Callable[[], object]:
+        def run_all() -> object:
+            with ThreadPoolExecutor(len(blobs)) as pool:
+                return list(pool.map(fn, blobs))
+        return run_all
+
+    put = each(lambda name: client.put_object(Bucket=bucket, Key=f"bare/r{i}/{name}", Body=blobs[name]))
+    get = each(lambda name: client.get_object(Bucket=bucket, Key=f"bare/r{i}/{name}")["Body"].read())
+    return {"bare_put": timed(put), "bare_get": timed(get)}
+
+
 def one_round(engine: Any, adapter: AdapterId, staged: StagedBackend, cold: StagedBackend,
-              writer: S3CheckpointStore, local: Path, i: int) -> dict[str, float]:
-    """Each operation once: local save/load, S3 save, S3 load into an empty cache, S3 load from the cache."""
+              writer: S3CheckpointStore, bare: Any, local: Path, i: int) -> dict[str, float]:
+    """Each operation once: local save/load, S3 save, S3 load into an empty cache, S3 load from the cache;
+    then the context figures (an unsynced local save, bare transfers of the same files)."""
     remote = writer.local_path(writer.uri_for("bench-tenant", "bench-run", "training", f"r{i}"))
+    scratch = local.with_name(f"{local.name}-scratch")
+    scratch.mkdir()
+    mark_scratch(scratch)
     out = {
         "local_save": timed(lambda: engine.save_adapter(adapter, local, with_optimizer=True)),
         "s3_save": timed(lambda: staged.save_adapter(adapter, remote, with_optimizer=True)),
         "local_load": timed(lambda: engine.load_adapter(AdapterId("l"), local, with_optimizer=True)),
         "s3_load": timed(lambda: cold.load_adapter(AdapterId("s"), remote, with_optimizer=True)),
         "cached": timed(lambda: cold.load_adapter(AdapterId("c"), remote, with_optimizer=True)),
+        "unsynced_save": timed(lambda: engine.save_adapter(adapter, scratch / "c", with_optimizer=True)),
     }
+    out.update(bare_transfers(bare, writer.location.bucket, local, i))
     for name in ("l", "s", "c"):
         engine.drop_adapter(AdapterId(name))
     shutil.rmtree(local)
+    shutil.rmtree(scratch)
     return out
 
 
@@ -112,8 +143,9 @@ def run(args: argparse.Namespace, endpoint: str | None, work: Path) -> dict[str,
 
     engine, adapter = trained_engine(args.source, args.rank)
     bucket = args.bucket or f"carpool-bench-{uuid.uuid4().hex[:8]}"
+    bare = boto3.session.Session().client("s3", endpoint_url=endpoint, config=client_config(30.0, 3))
     if args.bucket is None:
-        boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        bare.create_bucket(Bucket=bucket)
 
     def store(cache: str) -> S3CheckpointStore:
         return build_s3_store(f"s3://{bucket}/bench", cache_dir=work / cache, cache_max_bytes=1 << 34,
@@ -121,11 +153,11 @@ def run(args: argparse.Namespace, endpoint: str | None, work: Path) -> dict[str,
 
     writer = store("writer-cache")
     staged = StagedBackend(engine, writer)  # type: ignore[arg-type]
-    times: dict[str, list[float]] = {k: [] for k in ("local_save", "local_load", "s3_save", "s3_load", "cached")}
+    times: dict[str, list[float]] = {}
     for i in range(args.rounds):
         cold = StagedBackend(engine, store(f"cold-{i}"))  # type: ignore[arg-type]
-        for key, seconds in one_round(engine, adapter, staged, cold, writer, work / f"local-{i}", i).items():
-            times[key].append(seconds)
+        for key, seconds in one_round(engine, adapter, staged, cold, writer, bare, work / f"local-{i}", i).items():
+            times.setdefault(key, []).append(seconds)
     size = writer.size(writer.uri_for("bench-tenant", "bench-run", "training", "r0"))
     print(f"checkpoint: {size / 1e6:.1f} MB (rank {args.rank}, weights + Adam moments), {args.rounds} rounds")
     return times
@@ -154,6 +186,12 @@ def main() -> None:
         # Per-round ratios: the operations of one round ran back to back, under the same machine load.
         return statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
 
+    print(f"INFO unsynced_local_save_vs_local={ratio('unsynced_save', 'local_save'):.2f} "
+          f"s3_save_vs_unsynced_local={ratio('s3_save', 'unsynced_save'):.2f} "
+          f"bare_put_vs_local_save={ratio('bare_put', 'local_save'):.2f} "
+          f"bare_get_vs_local_load={ratio('bare_get', 'local_load'):.2f} "
+          f"s3_save_vs_bare_put={ratio('s3_save', 'bare_put'):.2f} "
+          f"s3_load_vs_bare_get={ratio('s3_load', 'bare_get'):.2f}")
     print(f"RESULT s3_save_vs_local={ratio('s3_save', 'local_save'):.2f} "
           f"s3_load_vs_local={ratio('s3_load', 'local_load'):.2f} "
           f"cached_load_vs_local={ratio('cached', 'local_load'):.2f}")

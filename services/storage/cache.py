@@ -6,6 +6,11 @@ there, so reloading a hot adapter costs no download. Each entry keeps the manife
 overwritten checkpoint is never served stale. Entries are filled in `<root>/staging/` and renamed into
 place, so a crash mid-download leaves no half entry. When the total size passes `max_bytes` the least
 recently used entries are removed (an entry being returned is never the one evicted).
+
+Entries are written without fsync (the bucket holds the durable copy; see `services.storage.durability`),
+so after a crash or power loss an entry's files may be torn while its manifest looks complete. Entries
+this process filled are trusted; entries inherited from an earlier process are checked against their
+manifest's sizes and sha256 once, on first use, and dropped (then downloaded again) if anything differs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
+
+from services.storage.s3_transfer import sha256_file
 
 ENTRY_MANIFEST = ".manifest.json"
 STALE_STAGING_S = 3600.0
@@ -25,6 +33,15 @@ STALE_STAGING_S = 3600.0
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != ENTRY_MANIFEST)
+
+
+def _matches(path: Path, manifest: dict[str, Any]) -> bool:
+    """Whether every file the manifest lists is in `path` with its size and sha256."""
+    try:
+        return all((path / rel).stat().st_size == int(meta["size"]) and sha256_file(path / rel) == meta["sha256"]
+                   for rel, meta in dict(manifest["files"]).items())
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
 
 
 class ReadThroughCache:
@@ -41,6 +58,8 @@ class ReadThroughCache:
         self._staging_root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._inherited: set[str] = set()
+        """Keys found on disk at start: not yet checked against their manifest in this process."""
         self._scan()
 
     @property
@@ -69,6 +88,11 @@ class ReadThroughCache:
             return None
         if cached != manifest:
             return None
+        if key in self._inherited:
+            if not _matches(path, manifest):
+                self.discard(key)
+                return None
+            self._inherited.discard(key)
         with self._lock:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
@@ -83,6 +107,7 @@ class ReadThroughCache:
         with self._lock:
             self._remove_locked(key)
             os.rename(filled, path)
+            self._inherited.discard(key)
             self._sizes[key] = size
             self._evict_locked(keep=key)
         return path
@@ -94,6 +119,7 @@ class ReadThroughCache:
     # -- internals --------------------------------------------------------------------------------
     def _remove_locked(self, key: str) -> None:
         self._sizes.pop(key, None)
+        self._inherited.discard(key)
         path = self.entry_path(key)
         if path.exists():
             # Rename first: a reader that already holds the path keeps complete files until we delete.
@@ -121,5 +147,7 @@ class ReadThroughCache:
         found = sorted(self._entries_root.rglob(ENTRY_MANIFEST), key=lambda p: p.stat().st_mtime)
         for marker in found:
             entry = marker.parent
-            self._sizes[entry.relative_to(self._entries_root).as_posix()] = _dir_bytes(entry)
+            key = entry.relative_to(self._entries_root).as_posix()
+            self._sizes[key] = _dir_bytes(entry)
+            self._inherited.add(key)
         self._evict_locked(keep="")

@@ -8,12 +8,15 @@ root, so a data dir can be moved without rewriting the database.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
+from services.storage.durability import fsync_dir, fsync_tree
 from services.storage.protocol import CHECKPOINT_KINDS, CheckpointKind, InvalidToken, StorageError
 from services.storage.signing import UrlSigner
 
@@ -84,7 +87,21 @@ class LocalCheckpointStore:
         source = self.local_path(source_uri)
         if not source.is_dir():
             raise StorageError(f"checkpoint {source_uri} has no stored files")
-        shutil.copytree(source, self.local_path(target_uri))
+        target = self.local_path(target_uri)
+        if target.exists():
+            raise FileExistsError(f"checkpoint {target_uri} already exists")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Copied beside the target, forced to disk, then renamed: the copy is acknowledged once this
+        # returns, so a crash must leave either no checkpoint or the complete one.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+            fsync_tree(tmp)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(target.parent)
 
     # -- downloads --------------------------------------------------------------------------------
     def download_urls(self, uri: str, base_url: str, expires_at: datetime, *,

@@ -5,19 +5,19 @@ Chosen by `CARPOOL_STORAGE_URL=s3://bucket/prefix`. Objects of one checkpoint li
 is `s3://<bucket>/<that key>`. Credentials come only from boto3's standard chain (environment, shared
 config, web identity on Kubernetes); `endpoint_url` points at MinIO, Ceph, R2 or a test server.
 
-A checkpoint becomes visible only when complete: its files are uploaded first (multipart above the
-threshold), then `carpool-manifest.json` with every file's size and sha256 is written last. Without a
-manifest a checkpoint does not exist; a failed upload removes what it wrote, and `sweep_incomplete`
-removes what a killed process left. Loads go through a `ReadThroughCache`: a cached directory is used when
-it was filled from the current manifest, otherwise every file is downloaded and checked against its
-sha256 (a mismatch is refused). `local_path(uri)` names the cache directory of a checkpoint; workers
-recognise such paths (`uri_of_local_path`) and upload after writing / download before reading
-(`services.storage.staging.StagedBackend`).
+A checkpoint becomes visible only when complete: its files are uploaded first (each hashed once; below the
+multipart threshold one PutObject that carries that sha256 for S3 to check, from it parallel parts: see
+`services.storage.s3_transfer`), then `carpool-manifest.json` with every file's size and sha256 is written
+last. Without a manifest a checkpoint does not exist; a failed upload removes what it wrote, and
+`sweep_incomplete` removes what a killed process left. Loads go through a `ReadThroughCache`: a cached
+directory is used when it was filled from the current manifest, otherwise every file is downloaded and
+checked against its sha256 (a mismatch is refused). `local_path(uri)` names the cache directory of a
+checkpoint; workers recognise such paths (`uri_of_local_path`) and upload after writing / download before
+reading (`services.storage.staging.StagedBackend`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -32,6 +32,7 @@ from typing import Any
 from services.storage.cache import ReadThroughCache
 from services.storage.local import safe_component
 from services.storage.protocol import CHECKPOINT_KINDS, CheckpointKind, StorageError
+from services.storage.s3_transfer import client_config, get_file, put_file, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ URI_SCHEME = "s3://"
 MANIFEST = "carpool-manifest.json"
 MANIFEST_FORMAT = "carpool-checkpoint-manifest"
 _TAIL = 6  # tenants/<tenant>/runs/<run>/<kind>/<name>
-_CHUNK = 1 << 20
+_DEFAULT_THRESHOLD = 8 << 20  # s3transfer's own default, for a store built without a TransferConfig
 _TRANSFER_THREADS = 4
 MAX_PRESIGN_S = 7 * 24 * 3600  # S3's limit for SigV4 presigned URLs
 
@@ -61,14 +62,6 @@ class S3Location:
         return cls(bucket, prefix.strip("/"))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _describe(exc: Exception) -> str:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -88,6 +81,11 @@ class S3CheckpointStore:
         self.cache = cache
         self._client = client
         self._transfer = transfer
+
+    @property
+    def _threshold(self) -> int:
+        """Files of at least this size go multipart / in ranged GETs (the TransferConfig's own threshold)."""
+        return int(getattr(self._transfer, "multipart_threshold", _DEFAULT_THRESHOLD))
 
     # -- addressing -------------------------------------------------------------------------------
     def uri_for(self, tenant_id: str, training_run_id: str, kind: CheckpointKind, name: str) -> str:
@@ -202,8 +200,10 @@ class S3CheckpointStore:
 
         def send(f: Path) -> None:  # hash and upload one file (files run in parallel)
             rel = f.relative_to(directory).as_posix()
-            described[rel] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-            self._client.upload_file(str(f), bucket, f"{key}/{rel}", Config=self._transfer)
+            digest = sha256_file(f)
+            described[rel] = {"size": f.stat().st_size, "sha256": digest}
+            put_file(self._client, bucket, f"{key}/{rel}", f, digest, threshold=self._threshold,
+                     transfer=self._transfer)
 
         try:
             old = self._list_keys(bucket, f"{key}/")
@@ -273,10 +273,11 @@ class S3CheckpointStore:
     def _download_checked(self, uri: str, bucket: str, key: str, dest: Path, meta: dict[str, Any]) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._client.download_file(bucket, key, str(dest), Config=self._transfer)
+            size, digest = get_file(self._client, bucket, key, dest, int(meta["size"]), threshold=self._threshold,
+                                    transfer=self._transfer)
         except Exception as exc:
             raise StorageError(f"S3 download of {uri} failed at {key} ({_describe(exc)})") from exc
-        if dest.stat().st_size != int(meta["size"]) or _sha256(dest) != meta["sha256"]:
+        if size != int(meta["size"]) or digest != meta["sha256"]:
             raise StorageError(f"checkpoint {uri} is corrupted: {dest.name} does not match the sha256 and "
                                "size in its manifest; refusing to load it")
 
@@ -317,13 +318,11 @@ def build_s3_store(url: str, *, cache_dir: Path, cache_max_bytes: int, endpoint_
     """An `S3CheckpointStore` for `s3://bucket/prefix`, with bounded timeouts and retries on every call."""
     import boto3
     from boto3.s3.transfer import TransferConfig
-    from botocore.config import Config
 
     location = S3Location.parse(url)
-    config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                    retries={"max_attempts": max_attempts, "mode": "standard"})
     # No credentials here on purpose: boto3's chain (env, shared config, web identity) supplies them.
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+    client = boto3.session.Session().client("s3", endpoint_url=endpoint_url,
+                                            config=client_config(timeout_s, max_attempts))
     transfer = TransferConfig(multipart_threshold=multipart_threshold,
                               multipart_chunksize=max(multipart_threshold, 5 << 20))
     return S3CheckpointStore(location, client, ReadThroughCache(cache_dir, cache_max_bytes), transfer=transfer)

@@ -29,6 +29,7 @@ from services.domain.training import (
     OptimStepResult,
     WorkError,
 )
+from services.storage.durability import mark_scratch
 from services.storage.encrypted_saves import encrypt_in_place, save_encrypted
 
 _STAGED_NAME = "checkpoint"
@@ -97,6 +98,8 @@ class StagedBackend:
                      prepare: Callable[[Path], object] | None) -> int:
         """Write into a private staging directory, let `prepare` transform it, then upload (manifest last)."""
         staging = self._store.staging_dir()
+        # Not fsynced: the save is acknowledged once the bucket holds it, not the staging copy.
+        mark_scratch(staging)
         try:
             self._inner.save_adapter(adapter_id, staging / _STAGED_NAME, with_optimizer=with_optimizer)
             if prepare is not None:

@@ -3,6 +3,7 @@ S3 store's own guarantees: manifest-last visibility, sha256 checks, multipart, c
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -11,9 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.domain.training import AdapterId
 from services.storage import CheckpointStore, LocalCheckpointStore, StorageError, UrlSigner
 from services.storage.cache import ReadThroughCache
+from services.storage.durability import is_scratch
 from services.storage.s3 import MANIFEST, S3CheckpointStore
+from services.storage.staging import StagedBackend
 from tests.s3_support import S3Server, make_store, s3_client
 
 FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"w" * 1000, "sub/x.bin": b"12345"}
@@ -176,6 +180,36 @@ def test_large_files_go_multipart(s3_server: S3Server, s3_bucket: str, tmp_path:
     assert etag.strip('"').endswith("-3")  # S3 marks multipart objects' ETags with their part count
     cold = make_store(s3_server, s3_bucket, tmp_path / "cold")
     assert (cold.fetch(uri) / "adapter_model.safetensors").read_bytes() == big
+
+
+def test_uploads_carry_the_manifest_sha256_for_the_bucket_to_check(s3: S3CheckpointStore,
+                                                                    s3_server: S3Server) -> None:
+    """Each file is hashed once: the manifest's sha256 travels with its PutObject (`ChecksumSHA256`), so S3
+    refuses a body that does not match the manifest and stores the checksum with the object."""
+    uri = s3.uri_for("t", "r", "training", "sum")
+    _upload(s3, uri, FILES)
+    manifest = s3.manifest(uri)
+    assert manifest is not None
+    key = uri.removeprefix(f"s3://{s3.location.bucket}/")
+    for rel, meta in manifest["files"].items():
+        head = s3_client(s3_server.url).head_object(Bucket=s3.location.bucket, Key=f"{key}/{rel}",
+                                                    ChecksumMode="ENABLED")
+        assert base64.b64decode(head["ChecksumSHA256"]).hex() == meta["sha256"]
+
+
+def test_staged_saves_are_written_into_scratch_space(s3: S3CheckpointStore) -> None:
+    """The staging copy is not fsynced (the save is acknowledged once the bucket holds it)."""
+    seen: list[bool] = []
+
+    class Engine:
+        def save_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> int:
+            seen.append(is_scratch(Path(path).parent))
+            _dir(Path(path), FILES)
+            return 0
+
+    uri = s3.uri_for("t", "r", "training", "staged")
+    StagedBackend(Engine(), s3).save_adapter(AdapterId("a"), s3.local_path(uri), with_optimizer=True)  # type: ignore[arg-type]
+    assert seen == [True] and s3.list_files(uri) == sorted(FILES)
 
 
 def test_s3_down_fails_the_upload_clearly_and_it_works_again_after(s3: S3CheckpointStore,

@@ -9,7 +9,9 @@ A checkpoint is one directory:
 
 Saving is split in two so the engine holds its lock only while copying tensors (`snapshot`), not while
 writing files (`write_checkpoint`). Directories are written atomically: a temp directory beside the
-target, renamed into place. Loading reads everything on the host (`read_checkpoint`) and then checks it
+target, renamed into place, and on disk (files, directory and the rename fsynced) before `write_checkpoint`
+returns, except in a scratch directory whose copy is made durable elsewhere (an S3 upload; see
+`services.storage.durability`). Loading reads everything on the host (`read_checkpoint`) and then checks it
 against the base model's layers before building an `AdapterState` (`build_adapter`).
 """
 
@@ -32,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from services.domain.training import AdapterId, LoraSpec
+from services.storage.durability import fsync_dir, fsync_file, is_scratch
 from worker.engine.adapters import AdapterState, OptimizerState
 from worker.engine.lora import (
     ALL_TARGETS,
@@ -152,25 +155,32 @@ def _json_bytes(obj: dict[str, object]) -> bytes:
 
 
 def _write_dir_atomically(path: Path, files: dict[str, bytes]) -> int:
+    """Files into a temp directory, swapped in by rename; durable on disk before returning (the caller
+    acknowledges the checkpoint) unless the parent is scratch space whose copy is made durable elsewhere."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    durable = not is_scratch(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; readers (samplers, exports) need access
         total = sum(_write_file(tmp / name, data) for name, data in files.items())
+        if durable:
+            # Before the rename, so a crash never leaves a complete-looking directory of partial files;
+            # the directory too, or a power loss can leave it without its files' names.
+            for name in files:
+                fsync_file(tmp / name)
+            fsync_dir(tmp)
         _swap_in(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(path.parent)
+    if durable:
+        fsync_dir(path.parent)  # the rename that put the checkpoint in place
     return total
 
 
 def _write_file(path: Path, data: bytes) -> int:
-    # fsync before the rename, so a crash never leaves a complete-looking directory of partial files.
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     return len(data)
 
 
@@ -193,14 +203,6 @@ def _swap_in(tmp: Path, path: Path) -> None:
         os.rename(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- load -----------------------------------------------------------------------------------------
