@@ -151,6 +151,7 @@ def serve_cluster_gateway(settings: ClusterSettings) -> None:
     gateway.service.start()  # no scheduler loops here: the sweeper
     try:
         log.info("cluster gateway serving on http://%s:%d", settings.host, settings.port)
-        uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
+        uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None,
+                    access_log=settings.access_log)
     finally:
         gateway.close()

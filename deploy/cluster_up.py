@@ -119,7 +119,8 @@ def cluster_up(settings: ClusterSettings) -> None:
         hub_worker.start()  # consumes the hub pushes the gateway queues (after the secret key was checked)
         log.info("cluster serving %s on http://%s:%d", ", ".join(s.name for s in config.base_models),
                  settings.host, settings.port)
-        uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None)
+        uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None,
+                    access_log=settings.access_log)
     finally:
         hub_worker.stop()
         for scheduler in schedulers:

@@ -169,6 +169,11 @@ class ServiceSettings(BaseSettings):
         "Retries of a hub push after a transient failure (connection error, 5xx, 429), with exponential "
         "backoff; none after 401/403/404."))
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
+    access_log: bool = Field(False, description=(
+        "Log one line per HTTP request (uvicorn's access log). Off by default: every request is already "
+        "counted in /metrics (route, status, latency) and every training/sampling request is in the request "
+        "log with its status and timings, while a line per long-poll costs about a tenth of the gateway's "
+        "CPU per request (docs/performance.md)."))
     metrics_per_tenant: bool = Field(False, description=(
         "Export per-tenant series (carpool_tenant_*: tokens trained/sampled, requests) at /metrics. Off by "
         "default: the tenant label's cardinality grows with the number of tenants."))

@@ -9,6 +9,7 @@ The work item's `adapter_id` is the model id; the control plane resolves it to t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from fastapi import APIRouter, Request
@@ -18,8 +19,11 @@ from gateway.deps import Control, CurrentTenant, RawBody, SettingsDep, documents
 from gateway.errors import SeqIdGuard
 from gateway.rendering import wire_json
 from gateway.settings import GatewaySettings
+from services.auth.tenants import Tenant
+from services.control.api import ControlPlane
 from services.db.ids import ModelId, SessionId
 from services.domain.training import AdapterId, ForwardBackwardWork
+from services.domain.validation import InvalidWork
 from services.wire import (
     CONTENT_TYPE_PROTOBUF,
     ForwardBackwardCall,
@@ -102,14 +106,41 @@ async def _submit_forward_backward(
                     request.headers.get("content-encoding"), legacy_forward=legacy_forward,
                     max_body_bytes=settings.max_body_bytes, limits=limits)
     async with SeqIdGuard(control, tenant) as guard:
-        parsed: ParsedForwardBackward = await pool.run(parse)
+        parsed, densified = await pool.run(partial(_parse_then_densify_if_owned, parse, control, tenant))
         guard.track(parsed.model_id, parsed.seq_id)
-        if parsed.model_id:
-            await control.get_info(tenant, ModelId(parsed.model_id))  # ownership: 404 for unknown and foreign
-        call, work = await pool.run(partial(_densify, parsed))
+        if densified is None:
+            if parsed.model_id:
+                await control.get_info(tenant, ModelId(parsed.model_id))  # ownership: 404 for unknown and foreign
+            densified = await pool.run(partial(_densify_or_error, parsed))
+        if isinstance(densified, (WireError, InvalidWork)):
+            raise densified  # after track(): the guard consumes the tracked seq id
+        call, work = densified
         assert call.seq_id is not None  # checked by _densify
         submitted = await control.forward_backward(tenant, ModelId(call.model_id), call.seq_id, work)
     return wire_json(UntypedAPIFuture(request_id=submitted.request_id, model_id=call.model_id))
+
+
+_Densified = tuple[ForwardBackwardCall, ForwardBackwardWork] | WireError | InvalidWork
+
+
+def _parse_then_densify_if_owned(
+    parse: Callable[[], ParsedForwardBackward], control: ControlPlane, tenant: Tenant
+) -> tuple[ParsedForwardBackward, _Densified | None]:
+    """One decode-pool job for a training loop's usual step: parse, and densify at once when the model is
+    already known to be the caller's (`model_known_owned`, memory only); otherwise None, and the route looks
+    ownership up before it densifies."""
+    parsed = parse()
+    if not parsed.model_id or not control.model_known_owned(tenant, ModelId(parsed.model_id)):
+        return parsed, None
+    return parsed, _densify_or_error(parsed)
+
+
+def _densify_or_error(parsed: ParsedForwardBackward) -> _Densified:
+    """The densified call, or the error that refuses it (raised by the route once the seq id is tracked)."""
+    try:
+        return _densify(parsed)
+    except (WireError, InvalidWork) as exc:
+        return exc
 
 
 def _densify(parsed: ParsedForwardBackward) -> tuple[ForwardBackwardCall, ForwardBackwardWork]:

@@ -5,6 +5,7 @@
 cursor, read from the request log in finishing order (services/db/sdk_surface.py explains why a finish-time
 watermark never skips one); the cursor does not move when nothing new finished, as the SDK requires. With
 nothing to report it holds the poll, waking on the notifier of the oldest unfinished requests of the target
+(or, with none in flight, on the session's `SubmissionBell`, rung by a sample submitted through this process)
 and looking again, so one open request replaces the one-poll-per-future pattern of `retrieve_future`. The
 SDK still fetches each payload with `retrieve_future`; `retrieved_request_ids` needs no action (results
 expire with their TTL).
@@ -18,6 +19,7 @@ import time
 from services.auth.tenants import Tenant
 from services.control.api import NotFound
 from services.control.context import ControlContext, not_found
+from services.control.ownership import OwnedIds
 from services.control.surface_views import CompletionsPage, FutureCompletionView
 from services.db.ids import RequestId, SamplingSessionId, TenantId
 from services.db.runs import get_sampling_session
@@ -36,6 +38,8 @@ leaving a finished sample unreported."""
 class BatchFutureOps:
     def __init__(self, ctx: ControlContext) -> None:
         self._ctx = ctx
+        self._owned = OwnedIds()
+        """Sampling sessions found to be their tenant's: the poller sends several polls per sample."""
 
     async def retrieve_futures(self, tenant: Tenant, sampling_id: SamplingSessionId, clone: int,
                                prev_cursor: int, timeout_s: float | None) -> CompletionsPage:
@@ -60,14 +64,17 @@ class BatchFutureOps:
         return counter
 
     async def _require_sampler(self, tenant: Tenant, sampling_id: SamplingSessionId) -> None:
+        if self._owned.known(tenant.id, sampling_id):
+            return  # a session that expired since only reports nothing: it is the caller's own id
         row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampling_id))
         if row is None:
             raise NotFound(not_found("sampling session", sampling_id), field="target.sampling_session_id")
+        self._owned.remember(tenant.id, sampling_id)
 
     async def _wait_for_any(self, sampling_id: SamplingSessionId, clone: int, timeout_s: float) -> None:
         pending = await self._ctx.tx(lambda db: unfinished_requests(db, sampling_id, clone, WAKE_ON))
-        if not pending:
-            await asyncio.sleep(min(timeout_s, 0.05))  # nothing in flight: a new sample may arrive soon
+        if not pending:  # nothing in flight: wait for a submission (rung here; others seen on the recheck)
+            await self._ctx.sample_submissions.wait(sampling_id, timeout_s)
             return
         waits = [asyncio.ensure_future(self._ctx.notifier.wait(RequestId(rid), timeout_s)) for rid in pending]
         try:

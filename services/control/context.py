@@ -25,6 +25,7 @@ from services.auth.tenants import Tenant
 from services.control.pending import AcceptedRequests
 from services.control.quotas import QuotaGate, QuotaOptions
 from services.control.registry import ModelRegistry, ServedModel
+from services.control.submission_bell import SubmissionBell
 from services.db.columns import utcnow
 from services.db.database import Database
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
@@ -72,6 +73,8 @@ class ControlContext:
     quotas: QuotaGate = field(default_factory=QuotaGate)
     accepted: AcceptedRequests = field(default_factory=AcceptedRequests)
     """Requests accepted here whose result is not collected yet (spares their first poll a read)."""
+    sample_submissions: SubmissionBell = field(default_factory=SubmissionBell)
+    """Rung with a sampling session's id when one of its samples is queued here (wakes idle batched polls)."""
 
     async def tx(self, fn: Callable[[Session], _T]) -> _T:
         """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from services.auth.tenants import Tenant
 from services.control.api import Conflict, Invalid, ModelInfo, NotFound, Submitted
 from services.control.context import ControlContext, not_found, request_for_seq
+from services.control.ownership import OwnedIds
 from services.control.registry import ServedModel
 from services.db.checkpoints import get_readable_checkpoint
 from services.db.errors import NotFoundError
@@ -69,6 +70,8 @@ class _NewRun:
 class ModelOps:
     def __init__(self, ctx: ControlContext) -> None:
         self._ctx = ctx
+        self.owned = OwnedIds()
+        """Models `get_info` found to be their tenant's (spares the edge's per-step ownership lookups)."""
 
     async def create_model(self, tenant: Tenant, session_id: SessionId, model_seq_id: int, base_model: str,
                            lora: LoraSpec, user_metadata: Mapping[str, object] | None) -> Submitted:
@@ -105,6 +108,7 @@ class ModelOps:
         run = await self._ctx.tx(lambda db: get_training_run(db, TenantId(tenant.id), model_id))
         if run is None:
             raise NotFound(not_found("model", model_id), field="model_id")
+        self.owned.remember(tenant.id, model_id)
         served = self._ctx.registry.for_run(run.base_model)
         return ModelInfo(model_id=run.id, base=served.info, lora=lora_spec_of(run))
 

@@ -128,6 +128,9 @@ class ServiceControlPlane:
     async def get_info(self, tenant: Tenant, model_id: ModelId) -> ModelInfo:
         return await self._models.get_info(tenant, model_id)
 
+    def model_known_owned(self, tenant: Tenant, model_id: ModelId) -> bool:
+        return self._models.owned.known(tenant.id, model_id)
+
     async def forward_backward(self, tenant: Tenant, model_id: ModelId, seq_id: int,
                                work: ForwardBackwardWork) -> Submitted:
         try:

@@ -32,8 +32,8 @@ from services.db.columns import utcnow
 from services.db.database import Database
 from services.db.errors import ConflictError, NotFoundError
 from services.db.ids import ModelId, RequestId, TenantId
-from services.db.request_log import mark_request_done, mark_request_failed, mark_request_running
-from services.db.usage import record_usage
+from services.db.request_log import DoneMark, mark_request_failed, mark_request_running, mark_requests_done
+from services.db.usage import record_usage_many
 from services.domain.sampling import SampleResult
 from services.domain.training import ForwardBackwardResult, WorkError
 from services.runtime.commands import CheckpointRecord, ForwardBackward, Save
@@ -48,7 +48,8 @@ RUNNING_AFTER_S = 0.05
 
 
 class DatabaseCompletionHook:
-    """`CompletionHook` writing the request log, checkpoint rows and usage; one transaction per finished item.
+    """`CompletionHook` writing the request log, checkpoint rows and usage; one transaction per finished item
+    (the successful requests' transitions and usage as one executemany each).
 
     `running_after_s` None writes `running` synchronously at the start of every item (one more commit each).
     """
@@ -68,7 +69,9 @@ class DatabaseCompletionHook:
                  store: StoreResults) -> list[Completion]:
         started_at = self._marker.started_at(pass_id) if self._marker and pass_id else None
         with self._db.sessions.begin() as db:
-            final = [self._finish(db, completion, pass_id, started_at) for completion in completions]
+            done = _Done()
+            final = [self._finish(db, completion, pass_id, started_at, done) for completion in completions]
+            done.write(db, pass_id, started_at)
             db.flush()  # a save's checkpoint row conflict shows here, before any result is stored
             store(final)  # before the commit makes the requests finished for a poll
         if self._marker is not None and pass_id is not None:
@@ -76,7 +79,7 @@ class DatabaseCompletionHook:
         return final
 
     def _finish(self, db: Session, completion: Completion, pass_id: str | None,
-                started_at: datetime | None) -> Completion:
+                started_at: datetime | None, done: _Done) -> Completion:
         request, result = completion.request, completion.result
         tenant_id, request_id = TenantId(request.tenant_id), RequestId(request.request_id)
         if isinstance(request.payload, Save) and isinstance(result, CheckpointRef):
@@ -90,10 +93,28 @@ class DatabaseCompletionHook:
             return completion
         tokens = _tokens(request, result)
         loss = result.metrics.get("loss:sum") if isinstance(result, ForwardBackwardResult) else None
-        mark_request_done(db, tenant_id, request_id, num_tokens=tokens, pass_id=pass_id, started_at=started_at,
-                          loss=loss)
-        record_usage(db, tenant_id, request.kind.value, tokens=tokens)
+        done.add(DoneMark(tenant_id, request_id, tokens, loss), request.kind.value)
         return completion
+
+
+class _Done:
+    """The successful requests of one finished item, written together: the request-log transitions as one
+    executemany and usage summed per (tenant, kind) — a packed pass of N tenants costs two statements,
+    not 2N, on the loop thread's critical path."""
+
+    def __init__(self) -> None:
+        self.marks: list[DoneMark] = []
+        self.usage: dict[tuple[TenantId, str], tuple[int, int]] = {}
+
+    def add(self, mark: DoneMark, usage_kind: str) -> None:
+        self.marks.append(mark)
+        key = (mark.tenant_id, usage_kind)
+        tokens, requests = self.usage.get(key, (0, 0))
+        self.usage[key] = (tokens + (mark.num_tokens or 0), requests + 1)
+
+    def write(self, db: Session, pass_id: str | None, started_at: datetime | None) -> None:
+        mark_requests_done(db, self.marks, pass_id=pass_id, started_at=started_at)
+        record_usage_many(db, self.usage)
 
 
 @dataclass

@@ -103,6 +103,7 @@ class SamplingOps:
                 self._ctx.accepted.add(request_id, tenant.id, "sample")
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
+                self._ctx.sample_submissions.ring(sampler_id)
         return SampleSubmitted(request_id, sample_sequence_ids(request_id, work.num_samples))
 
     async def _check_still_readable(self, tenant: Tenant, row: SamplingSessionRow, binding: SamplerBinding) -> None:

@@ -8,6 +8,7 @@ such as `train_tokens` or `sample_tokens`; their meaning belongs to the caller.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -49,6 +50,21 @@ def record_usage(
     params = {"tenant_id": tenant_id, "bucket_start": hour_bucket(now or utcnow()), "kind": kind,
               "tokens": tokens, "requests": requests}
     core(db).execute(_upsert(db.get_bind().dialect.name), params)
+
+
+def record_usage_many(db: Session, increments: Mapping[tuple[TenantId, str], tuple[int, int]], *,
+                      now: datetime | None = None) -> None:
+    """`record_usage` for many (tenant, kind) pairs at once: `increments` maps each to (tokens, requests),
+    already summed (one upsert per bucket: a statement may not touch a row twice), run as one executemany."""
+    bucket = hour_bucket(now or utcnow())
+    rows = []
+    for (tenant_id, kind), (tokens, requests) in increments.items():
+        if tokens < 0 or requests < 0:
+            raise ValueError(f"usage increments must be >= 0, got tokens={tokens} requests={requests}")
+        rows.append({"tenant_id": tenant_id, "bucket_start": bucket, "kind": kind, "tokens": tokens,
+                     "requests": requests})
+    if rows:
+        core(db).execute(_upsert(db.get_bind().dialect.name), rows)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, Delivery, StoredResult
 from services.scheduler.requests import QueuedRequest, RequestId
@@ -131,11 +131,15 @@ class InMemoryNotifier:
         self._published = RecentIds(retention_s, max_retained, clock)
 
     def publish(self, request_id: RequestId) -> None:
+        self.publish_many([request_id])
+
+    def publish_many(self, request_ids: Sequence[RequestId]) -> None:
+        waiters: list[asyncio.Future[bool]] = []
         with self._lock:
-            self._published.add(request_id)
-            waiters = self._waiters.pop(request_id, [])
-        for future in waiters:
-            resolve_threadsafe(future)
+            for request_id in request_ids:
+                self._published.add(request_id)
+                waiters.extend(self._waiters.pop(request_id, []))
+        resolve_all_threadsafe(waiters)
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -166,6 +170,23 @@ class InMemoryNotifier:
                 futures.remove(future)
             if not futures:
                 del self._waiters[request_id]
+
+
+def resolve_all_threadsafe(futures: Sequence[asyncio.Future[bool]]) -> None:
+    """Set every future on its own loop, with one wake-up per loop: each `call_soon_threadsafe` writes to
+    the loop's self-pipe, which with a pass's worth of waiters was most of what publishing cost."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[bool]]] = {}
+    for future in futures:
+        by_loop.setdefault(future.get_loop(), []).append(future)
+    for loop, group in by_loop.items():
+
+        def resolve(group: list[asyncio.Future[bool]] = group) -> None:
+            for future in group:
+                if not future.done():
+                    future.set_result(True)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: its waiters are gone, which is fine
+            loop.call_soon_threadsafe(resolve)
 
 
 def resolve_threadsafe(future: asyncio.Future[bool]) -> None:

@@ -12,7 +12,7 @@ gateway runs in asyncio, so the calls it makes while holding a long-poll (`Resul
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -108,6 +108,11 @@ class Notifier(Protocol):
 
     def publish(self, request_id: RequestId) -> None:
         """Announce that `request_id` has a result. Thread-safe, non-blocking, callable from any thread."""
+        ...
+
+    def publish_many(self, request_ids: Sequence[RequestId]) -> None:
+        """`publish` for every id, at once (a packed pass ends many requests: one wake-up per waiting event
+        loop, or one round trip, instead of one per request)."""
         ...
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -147,6 +148,19 @@ class RedisNotifier:
             lambda: self._client.publish(self.channel, request_id),
             lambda error: log.warning("redis retry (publish): %s", error),
         )
+
+    def publish_many(self, request_ids: Sequence[RequestId]) -> None:
+        if not request_ids:
+            return
+
+        def send() -> None:
+            pipe = self._client.pipeline(transaction=False)  # one round trip; order is kept
+            for request_id in request_ids:
+                pipe.publish(self.channel, request_id)
+            pipe.execute()
+
+        # A retry re-sends every id: a duplicate announcement only makes a waiter look again.
+        self._retry.call_with_retry(send, lambda error: log.warning("redis retry (publish): %s", error))
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
         self._ensure_listening()

@@ -196,8 +196,7 @@ class SchedulerLoop:
         if not completions:
             return
         final = self._record(completions, pass_id)
-        for completion in final:
-            self._notifier.publish(completion.request_id)
+        self._notifier.publish_many([completion.request_id for completion in final])
         acked = [d for c in final for d in self._deliveries.pop(c.request_id, [])]
         if acked:
             self._queue.ack(self.base_model, acked)

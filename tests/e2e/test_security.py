@@ -111,10 +111,12 @@ def train_step(training: TrainingClient) -> float:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
     """This module's server (one per mode). It sends hundreds of bad keys from one address on purpose, so
-    the edge's failed-authentication limit is lifted here (that limit has tests of its own)."""
+    the edge's failed-authentication limit is lifted here (that limit has tests of its own). The access log
+    is on (off by default): it logs every URL, the likeliest place for a key to leak, and the log-flush
+    marker is its line."""
     srv = start_server(tmp_path_factory.mktemp(f"carpool-security-{e2e_mode}"), e2e_model_dir, mode=e2e_mode,
                        extra_env={"CARPOOL_EDGE_FAILED_AUTH_PER_MINUTE": "1000000",
-                                  "CARPOOL_EDGE_FAILED_AUTH_BURST": "1000000"})
+                                  "CARPOOL_EDGE_FAILED_AUTH_BURST": "1000000", "CARPOOL_ACCESS_LOG": "1"})
     try:
         yield srv
     finally:

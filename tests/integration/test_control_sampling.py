@@ -3,6 +3,8 @@ bare base model; sample ids and dedupe; snapshot semantics; external weights beh
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from conftest import BASE, Harness
@@ -124,3 +126,31 @@ def test_external_weights_download_through_signed_urls(harness: Harness) -> None
         h.run(h.control.get_checkpoint(t, ref.tinker_path))
     again = h.run(h.control.save(t, model, 4, "external", SaveOptions(name="export")))
     assert not isinstance(h.result(t, again.request_id), Failed)  # the name is free again
+
+
+def test_an_idle_batched_poll_wakes_on_a_sample_submitted_here(harness: Harness,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `retrieve_futures` poll with nothing in flight waits on the session's submission bell, not on a
+    timer: with the recheck pushed past the poll's whole hold, only the bell can make it see the sample."""
+    from services.control import batch_futures
+
+    monkeypatch.setattr(batch_futures, "RECHECK_S", 120.0)
+    h = harness
+    tenant = h.tenant("rl")
+    sampler = h.run(h.control.create_sampling_session(tenant, h.session(tenant), 0, model_path=None, base_model=BASE))
+    bell = h.control.ctx.sample_submissions
+
+    async def scenario() -> tuple[list[str], str]:
+        poll = asyncio.ensure_future(h.control.retrieve_futures(tenant, sampler, 0, 0, 60.0))
+        while bell.waiting() == 0:  # parked on the bell (a bound below catches a poll that never parks)
+            assert not poll.done(), "the poll ended before it waited for a submission"
+            await asyncio.sleep(0.01)
+        work = SampleWork(None, np.array([1, 2, 3]), params=SamplingParams(max_tokens=2))
+        submitted = await h.control.sample(tenant, sampler, 1, work)
+        # The poll holds 30 s at most (long_poll_max_s) and then looks once more; well before that it must
+        # have seen the sample, which only the bell can wake it for.
+        page = await asyncio.wait_for(poll, 20.0)
+        return [c.request_id for c in page.completions], submitted.request_id
+
+    reported, request_id = h.run(asyncio.wait_for(scenario(), 40.0))
+    assert reported == [request_id]

@@ -174,3 +174,21 @@ def test_another_tenants_ids_are_not_found(harness_on_each_database: Harness) ->
     assert h.run(h.control.create_sampling_session(b, sb, 2, model_path=path.tinker_path, base_model=None))
     with pytest.raises(NotFound):
         h.run(h.control.delete_checkpoint(b, path.tinker_path))
+
+
+def test_ownership_memory_learns_only_the_owners_models(harness: Harness) -> None:
+    """What the edge's forward_backward skips its per-step lookup on: true only after `get_info` found the
+    model to be the caller's; another tenant's or an unknown id is never remembered (404 each time)."""
+    h = harness
+    a, b = h.tenant("alice"), h.tenant("bob")
+    model = h.run(h.control.create_model(a, h.session(a), 0, BASE, LoraSpec(rank=2, seed=0), None)).model_id
+    assert not h.control.model_known_owned(a, model)  # nothing looked up yet
+    for _ in range(2):
+        with pytest.raises(NotFound):
+            h.run(h.control.get_info(b, model))
+        with pytest.raises(NotFound):
+            h.run(h.control.get_info(a, ModelId("sess-x:train:9")))
+    assert not h.control.model_known_owned(b, model)
+    assert not h.control.model_known_owned(a, ModelId("sess-x:train:9"))
+    assert h.run(h.control.get_info(a, model)).model_id == model
+    assert h.control.model_known_owned(a, model) and not h.control.model_known_owned(b, model)

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -101,6 +102,35 @@ def test_touch_api_key_is_throttled(db: Session) -> None:
     assert tenants.list_api_keys(db, tenant.id)[0].last_used_at == T0 + timedelta(seconds=90)
 
 
+class _Statements(list[str]):
+    """SQL statements sent on a connection while `record` listens."""
+
+    def record(self, conn: object, cursor: object, statement: str, *args: object) -> None:
+        self.append(statement)
+
+
+def _recording(db: Session) -> _Statements:
+    statements = _Statements()
+    event.listen(db.get_bind(), "before_cursor_execute", statements.record)
+    return statements
+
+
+def test_authenticating_a_recently_used_key_writes_nothing(db: Session) -> None:
+    # Every gateway auth-cache miss runs `authenticate`; with hundreds of tenants that is many per second,
+    # and an UPDATE each (even one matching no row) takes SQLite's single write lock.
+    tenant, issued = create_tenant_with_key(db, "acme")
+    authenticate(db, issued.key, now=T0)
+    db.expire_all()
+    statements = _recording(db)
+    try:
+        assert authenticate(db, issued.key, now=T0 + timedelta(seconds=59)) == tenant
+    finally:
+        event.remove(db.get_bind(), "before_cursor_execute", statements.record)
+    assert statements and all(s.lstrip().upper().startswith("SELECT") for s in statements)
+    db.expire_all()
+    assert tenants.list_api_keys(db, tenant.id)[0].last_used_at == T0
+
+
 def test_revoke_by_prefix(db: Session) -> None:
     tenant_id = _tenant(db)
     issued = issue_api_key(db, tenant_id)
@@ -128,6 +158,28 @@ def test_sessions_heartbeat_finish_and_stale_sweep(db: Session) -> None:
     assert not sessions.heartbeat_session(db, tenant_id, session_id)
     assert sessions.list_sessions(db, tenant_id, include_finished=False) == []
     assert len(sessions.list_sessions(db, tenant_id)) == 1
+
+
+def test_a_heartbeat_within_the_write_interval_only_reads(db: Session) -> None:
+    tenant_id = _tenant(db)
+    session_id = SessionId(sessions.create_session(db, tenant_id, now=T0).id)
+    statements = _recording(db)
+    try:
+        assert sessions.heartbeat_session(db, tenant_id, session_id, now=T0 + timedelta(seconds=29),
+                                          min_interval_s=30)
+        assert statements and all(s.lstrip().upper().startswith("SELECT") for s in statements)
+        assert sessions.heartbeat_session(db, tenant_id, session_id, now=T0 + timedelta(seconds=31),
+                                          min_interval_s=30)
+        assert any(s.lstrip().upper().startswith("UPDATE") for s in statements)
+    finally:
+        event.remove(db.get_bind(), "before_cursor_execute", statements.record)
+    db.expire_all()
+    fetched = sessions.get_session(db, tenant_id, session_id)
+    assert fetched is not None and fetched.last_heartbeat_at == T0 + timedelta(seconds=31)
+    assert not sessions.heartbeat_session(db, TenantId("tenant-other"), session_id, min_interval_s=30)
+    sessions.finish_session(db, tenant_id, session_id, now=T0 + timedelta(seconds=40))
+    assert not sessions.heartbeat_session(db, tenant_id, session_id, now=T0 + timedelta(seconds=41),
+                                          min_interval_s=30)
 
 
 def test_training_runs_are_idempotent_and_count_quota(db: Session) -> None:
@@ -314,6 +366,51 @@ def test_hub_pushes_survive_checkpoint_deletion(db: Session) -> None:
     assert [p.id for p in hub_pushes.list_hub_pushes(db, tenant_id)] == [push_id]
     with pytest.raises(NotFoundError):
         hub_pushes.create_hub_push(db, tenant_id, "tinker://nope/weights/x", target="ms", repo="r")
+
+
+def test_marking_a_pass_done_at_once_equals_marking_each_request(db: Session) -> None:
+    """`mark_requests_done` (one executemany per shape, what the completion hook uses) writes what one
+    `mark_request_done` per request writes: loss or not, a running report's start kept, finished ones left."""
+    tenant_id, other = _tenant(db), _tenant(db, "other")
+    _, model_id = _run(db, tenant_id)
+    _, other_model = _run(db, other, 1)
+    fresh = request_log.record_request(db, tenant_id, "forward_backward", model_id=model_id, seq_id=1, now=T0)
+    running = request_log.record_request(db, tenant_id, "optim_step", model_id=model_id, seq_id=2, now=T0)
+    theirs = request_log.record_request(db, other, "forward_backward", model_id=other_model, seq_id=1, now=T0)
+    ended = request_log.record_request(db, tenant_id, "forward", model_id=model_id, seq_id=3, now=T0)
+    assert request_log.mark_request_running(db, tenant_id, running.id, pass_id="p0", now=T0)
+    assert request_log.mark_request_failed(db, tenant_id, ended.id, error="x")
+    later = T0 + timedelta(seconds=3)
+    request_log.mark_requests_done(db, [
+        request_log.DoneMark(tenant_id, fresh.id, 32, loss=1.5),
+        request_log.DoneMark(tenant_id, running.id, 0),
+        request_log.DoneMark(other, theirs.id, 16, loss=0.25),
+        request_log.DoneMark(tenant_id, ended.id, 8),  # already failed: stays failed
+        request_log.DoneMark(other, fresh.id, 99),  # another tenant's request: untouched
+    ], pass_id="p1", started_at=later, now=later)
+    db.expire_all()
+    rows = {r.id: r for r in [*request_log.list_requests(db, tenant_id), *request_log.list_requests(db, other)]}
+    assert (rows[fresh.id].status, rows[fresh.id].num_tokens, rows[fresh.id].loss) == ("done", 32, 1.5)
+    assert (rows[fresh.id].pass_id, rows[fresh.id].started_at, rows[fresh.id].finished_at) == ("p1", later, later)
+    assert (rows[running.id].status, rows[running.id].loss, rows[running.id].started_at) == ("done", None, T0)
+    assert (rows[theirs.id].status, rows[theirs.id].num_tokens, rows[theirs.id].loss) == ("done", 16, 0.25)
+    assert (rows[ended.id].status, rows[ended.id].num_tokens) == ("failed", None)
+    request_log.mark_requests_done(db, [])  # nothing to write is fine
+
+
+def test_usage_of_many_tenants_at_once_equals_one_increment_each(db: Session) -> None:
+    tenant_id, other = _tenant(db), _tenant(db, "other")
+    usage.record_usage(db, tenant_id, "forward_backward", tokens=10, now=T0)
+    usage.record_usage_many(db, {(tenant_id, "forward_backward"): (32, 2), (other, "forward_backward"): (5, 1),
+                                 (tenant_id, "optim_step"): (0, 1)}, now=T0 + timedelta(minutes=5))
+    totals = usage.usage_totals(db, tenant_id, since=T0 - timedelta(days=1))
+    assert totals == {"forward_backward": usage.UsageTotal("forward_backward", 42, 3),
+                      "optim_step": usage.UsageTotal("optim_step", 0, 1)}
+    assert usage.usage_totals(db, other, since=T0 - timedelta(days=1)) == {
+        "forward_backward": usage.UsageTotal("forward_backward", 5, 1)}
+    usage.record_usage_many(db, {})
+    with pytest.raises(ValueError):
+        usage.record_usage_many(db, {(tenant_id, "x"): (-1, 1)})
 
 
 def test_usage_buckets_accumulate(db: Session) -> None:

@@ -272,3 +272,23 @@ def test_cancelled_waiter_is_discarded(backend: Backend) -> None:
     asyncio.run(scenario())
     assert notifier.waiting() == 0
     notifier.publish(RequestId("r"))  # nobody left to wake; must not raise
+
+
+def test_publish_many_wakes_exactly_the_published_waiters(backend: Backend) -> None:
+    """A packed pass announces all its requests at once: each of them wakes, nobody else does, an empty
+    announcement is fine, and a wait that starts afterwards returns at once as after `publish`."""
+    notifier = backend.notifier
+
+    async def scenario() -> list[bool]:
+        waits = [asyncio.create_task(notifier.wait(RequestId(f"batch-{i}"), timeout_s=2.0)) for i in range(6)]
+        await wait_for(notifier.waiting, 6)
+        published = [RequestId(f"batch-{i}") for i in (0, 2, 3, 5)]
+        thread = threading.Thread(target=lambda: (notifier.publish_many([]), notifier.publish_many(published)))
+        thread.start()
+        results = list(await asyncio.gather(*waits))
+        thread.join()
+        return results
+
+    assert asyncio.run(scenario()) == [True, False, True, True, False, True]
+    late = asyncio.run(wait_for(lambda: notifier.wait(RequestId("batch-3"), timeout_s=0), True))
+    assert late is True

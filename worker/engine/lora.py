@@ -206,10 +206,10 @@ class GroupedLoraDelta(torch.autograd.Function):
             grad_x = torch.bmm(grad_h, a_S_R_in) if ctx.needs_input_grad[0] else None
             if any(needs_a):
                 grads_a = deliver_stacked((grad_h.transpose(1, 2), x_S_L_in), weights, needs_a, layout.first_slot,
-                                          "A", layout.written)
+                                          "A", layout.written, layout.slots)
         if any(needs_b):
             grads_b = deliver_stacked((grad_S_L_out.transpose(1, 2), h_S_L_R), weights, needs_b, layout.first_slot,
-                                      "B", layout.written)
+                                      "B", layout.written, layout.slots)
         factor_grads = (*grads_a, *grads_b) if ctx.trains is None else (None,) * (len(ctx.needs_input_grad) - _FACTORS)
         return (grad_x, None, None, None, *factor_grads)
 
