@@ -6,14 +6,28 @@ database, the CLI would take seconds per tenant), gives each its own `ServiceCli
 runs them closed-loop for `--seconds`: forward_backward(1 x T tokens) → optim_step → next. The server's
 resident adapter slots (`--resident`, default 16) are far below the larger N, so adapters spill and reload.
 
+What it compares: every tenant at every N sends the same work (one T-token datum per forward_backward,
+then an optim_step, waiting for each result), so tokens/s at 512 vs 8 is the total trained throughput of
+512 small tenants against 8 of the same — how much per-tenant overhead (spills, bookkeeping, per-client
+traffic such as heartbeats and auth) costs, not a change in work per pass.
+
+The clients run in `ceil(N / --tenants-per-proc)` processes (`--client-procs` to force), each a thread
+and `ServiceClient` per tenant on that process's one SDK event loop: 512 clients in one process measured
+the client's own event loop. Each process sets all its tenants up (model created, one warm step) before
+the driver starts the clock for everyone. The client processes share the box with the server: their CPU
+use is reported beside the server's so a client-bound run shows as one.
+
 Per N: trained tokens/s, round-trip p50/p95 of forward_backward and optim_step, queue wait p95 (the
-server's own `carpool_queue_wait_seconds` histogram when /metrics exports it, else "n/a"), errors, and the
-server's RSS sampled every second (growth from the end of warm-up to the end of the run). The last line:
+server's `carpool_queue_wait_seconds` histogram, the bucket holding the p95 of this N's requests only),
+errors, the server's RSS sampled every second (max, and growth over this N's measured time), and the cores
+the server and the clients used. The last line:
 
 RESULT tokens_per_s_512_vs_8=X p95_wait_512_ms=X errors=N rss_growth_pct=X
 
-(the largest N run stands in for 512 and the smallest N >= 8 for 8 when those are not in the list). The
-figures mean little on a shared 2-core box; say so when quoting them (docs/reliability.md does).
+(rss_growth_pct: from the end of the first N, the warm-up, to the end of the run, so it includes every
+later N's new tenants; the largest N run stands in for 512 and the smallest N >= 8 for 8 when those are not
+in the list). The figures mean little on a shared 2-core box; say so when quoting them (docs/reliability.md
+does).
 
     .venv/bin/python bench/load.py [--quick] [--tenants 1,8,32] [--seconds 20] [--mode embedded]
 """
@@ -21,6 +35,7 @@ figures mean little on a shared 2-core box; say so when quoting them (docs/relia
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -30,6 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,11 +71,38 @@ class Run:
     rtt: dict[str, list[float]] = field(default_factory=lambda: {"fb": [], "optim": []})
     rss_mb: list[float] = field(default_factory=list)
     wait_p95_ms: float | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    server_cpu: float = 0.0
+    """Cores the server used over the measured time (CPU seconds / seconds; 2.0 is this whole box)."""
+    client_cpu: float = 0.0
+    """Cores the client processes used over the measured time."""
+    client_procs: int = 1
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def rss_window_growth_pct(self) -> float:
+        """RSS growth over this N's measured time (its tenants all set up: memory over time, not per tenant)."""
+        if len(self.rss_mb) < 2 or not self.rss_mb[0]:
+            return float("nan")
+        return 100 * (self.rss_mb[-1] - self.rss_mb[0]) / self.rss_mb[0]
+
+
+@dataclass
+class ClientTotals:
+    """What one client process measured; sent back to the driver."""
+
+    tokens: int = 0
+    errors: int = 0
+    rtt: dict[str, list[float]] = field(default_factory=lambda: {"fb": [], "optim": []})
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
 
 
 def rss_mb(pid: int) -> float:
@@ -73,6 +116,18 @@ def rss_mb(pid: int) -> float:
         except OSError:
             continue
     return total / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children so far, from /proc."""
+    total = 0
+    for child in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _children(pid: int) -> list[int]:
@@ -108,72 +163,127 @@ def datum(i: int, tokens: int) -> types.Datum:
                        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * tokens})
 
 
-def tenant_loop(server: Server, key: str, index: int, run: Run, args: argparse.Namespace,
-                start: threading.Barrier, deadline: list[float]) -> None:
-    service = tinker.ServiceClient(base_url=server.url, api_key=key)
+@dataclass(frozen=True)
+class Phase:
+    """How one client process's tenants start together: set up, report ready, wait for go, run to the
+    deadline the driver wrote (time.monotonic is the same clock in every process of the box)."""
+
+    ready: threading.Barrier
+    go: Any
+    deadline: Any
+
+
+def tenant_loop(url: str, key: str, index: int, totals: ClientTotals, args: argparse.Namespace,
+                phase: Phase) -> None:
+    service = tinker.ServiceClient(base_url=url, api_key=key)
     try:
         training = service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=args.rank).result(
             timeout=SETUP_TIMEOUT_S)
         data = [datum(index, args.tokens)]
         training.forward_backward(data, "cross_entropy").result(timeout=SETUP_TIMEOUT_S)  # warm
         training.optim_step(HP).result(timeout=SETUP_TIMEOUT_S)
-        start.wait(timeout=SETUP_TIMEOUT_S)
-        while time.monotonic() < deadline[0]:
+        phase.ready.wait(timeout=SETUP_TIMEOUT_S)
+        phase.go.wait(SETUP_TIMEOUT_S)
+        deadline = phase.deadline.value
+        while time.monotonic() < deadline:
             for kind, call in (("fb", lambda: training.forward_backward(data, "cross_entropy")),
                                ("optim", lambda: training.optim_step(HP))):
                 began = time.monotonic()
                 try:
                     call().result(timeout=SETUP_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - counted, the figure the run reports
-                    with run.lock:
-                        run.errors += 1
+                    with totals.lock:
+                        totals.errors += 1
                     continue
-                with run.lock:
-                    run.rtt[kind].append(time.monotonic() - began)
-                    if kind == "fb" and time.monotonic() <= deadline[0]:
-                        run.tokens += args.tokens
+                with totals.lock:
+                    totals.rtt[kind].append(time.monotonic() - began)
+                    if kind == "fb" and time.monotonic() <= deadline:
+                        totals.tokens += args.tokens
     finally:
         service.holder.close()
 
 
-def queue_wait_p95_ms(server: Server) -> float | None:
-    """p95 of the server's queue-wait histogram, if /metrics exports one (bucket interpolation)."""
-    try:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith("carpool_queue_wait_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    target = 0.95 * buckets[-1][1]
-    return next(le * 1000 for le, count in buckets if count >= target)
+def client_process(url: str, keys: list[str], indices: list[int], args: argparse.Namespace, ready: Any,
+                   go: Any, deadline: Any, out: Any) -> None:
+    """One client process: a thread (and `ServiceClient`) per tenant, all on this process's one SDK event
+    loop; reports ready once every tenant is set up, and its totals after the deadline."""
+    totals = ClientTotals()
+    phase = Phase(threading.Barrier(len(keys) + 1), go, deadline)
+    with ThreadPoolExecutor(max_workers=len(keys)) as pool:
+        futures = [pool.submit(tenant_loop, url, key, i, totals, args, phase)
+                   for key, i in zip(keys, indices, strict=True)]
+        phase.ready.wait(timeout=SETUP_TIMEOUT_S)
+        ready.put(os.getpid())
+        for future in futures:
+            try:
+                future.result(timeout=SETUP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001
+                totals.errors += 1
+    out.put(totals)
 
 
 def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     run = Run(n)
     keys = make_keys(server, n, offset)
-    start = threading.Barrier(n + 1)
-    deadline = [float("inf")]
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(tenant_loop, server, key, i, run, args, start, deadline) for i, key in enumerate(keys)]
-        start.wait(timeout=SETUP_TIMEOUT_S)
-        began = time.monotonic()
-        deadline[0] = began + args.seconds
-        while time.monotonic() < deadline[0]:
-            run.rss_mb.append(rss_mb(server.process.pid))
-            time.sleep(1.0)
-        run.seconds = time.monotonic() - began
-        for future in futures:
-            try:
-                future.result(timeout=SETUP_TIMEOUT_S)
-            except Exception:  # noqa: BLE001
-                run.errors += 1
-    run.wait_p95_ms = queue_wait_p95_ms(server)
+    waits_before = queue_wait_buckets(server)
+    procs = run.client_procs = max(1, min(n, args.client_procs or -(-n // args.tenants_per_proc)))
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no SDK threads forked half-way
+    ready, out, go, deadline = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", float("inf"))
+    workers = [ctx.Process(target=client_process, daemon=True,
+                           args=(server.url, keys[k::procs], list(range(n))[k::procs], args, ready, go, deadline,
+                                 out)) for k in range(procs)]
+    for worker in workers:
+        worker.start()
+    pids = [ready.get(timeout=SETUP_TIMEOUT_S) for _ in workers]
+    print(f"N={n}: set up in {procs} client processes, measuring for {args.seconds:.0f} s "
+          f"(server pid {server.process.pid}, client pids {' '.join(map(str, pids))})", flush=True)
+    server_cpu, client_cpu = cpu_s(server.process.pid), sum(cpu_s(pid) for pid in pids)
+    began = time.monotonic()
+    deadline.value = began + args.seconds
+    go.set()
+    while time.monotonic() < deadline.value:
+        run.rss_mb.append(rss_mb(server.process.pid))
+        time.sleep(1.0)
+    run.seconds = time.monotonic() - began
+    run.server_cpu = (cpu_s(server.process.pid) - server_cpu) / run.seconds
+    run.client_cpu = (sum(cpu_s(pid) for pid in pids) - client_cpu) / run.seconds
+    for _ in workers:
+        totals: ClientTotals = out.get(timeout=SETUP_TIMEOUT_S)
+        run.tokens += totals.tokens
+        run.errors += totals.errors
+        for kind, values in totals.rtt.items():
+            run.rtt[kind].extend(values)
+    for worker in workers:
+        worker.join(timeout=60)
+    run.wait_p95_ms = wait_p95_ms(waits_before, queue_wait_buckets(server))
     return run
+
+
+def queue_wait_buckets(server: Server) -> list[tuple[float, float]]:
+    """(le, cumulative count) of the server's queue-wait histogram, summed over its label sets; [] if /metrics
+    exports none."""
+    try:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return []
+    counts: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("carpool_queue_wait_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sorted(counts.items())
+
+
+def wait_p95_ms(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
+    """p95 queue wait of the requests counted between two reads of the histogram (the bucket it falls in:
+    the histogram is cumulative over the server's life, so earlier N's waits are subtracted)."""
+    earlier = dict(before)
+    delta = [(le, count - earlier.get(le, 0.0)) for le, count in after]
+    if not delta or delta[-1][1] <= 0:
+        return None
+    target = 0.95 * delta[-1][1]
+    return next(le * 1000 for le, count in delta if count >= target)
 
 
 def p(values: list[float], q: float) -> float:
@@ -182,20 +292,25 @@ def p(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if len(values) > 1 else values[0] * 1000
 
 
-def report(runs: list[Run], rss_start: float, rss_end: float) -> None:
+def report(runs: list[Run], rss_start: float, rss_end: float, tokens: int) -> None:
     print(f"{'N':>5} {'tok/s':>8} {'fb p50':>8} {'fb p95':>8} {'opt p50':>8} {'opt p95':>8} {'wait p95':>9} "
-          f"{'errors':>6} {'rss MiB':>8}")
+          f"{'errors':>6} {'rss MiB':>8} {'rss Δ%':>6} {'srv cpu':>7} {'cli cpu':>7} {'procs':>5}")
     for r in runs:
         wait = f"{r.wait_p95_ms:.0f}" if r.wait_p95_ms is not None else "n/a"
         print(f"{r.tenants:>5} {r.tokens_per_s:>8.1f} {p(r.rtt['fb'], 50):>8.0f} {p(r.rtt['fb'], 95):>8.0f} "
               f"{p(r.rtt['optim'], 50):>8.0f} {p(r.rtt['optim'], 95):>8.0f} {wait:>9} {r.errors:>6} "
-              f"{max(r.rss_mb, default=0):>8.0f}")
+              f"{max(r.rss_mb, default=0):>8.0f} {r.rss_window_growth_pct:>6.1f} {r.server_cpu:>7.2f} "
+              f"{r.client_cpu:>7.2f} {r.client_procs:>5}")
     big = max(runs, key=lambda r: r.tenants)
     small = min((r for r in runs if r.tenants >= 8), key=lambda r: r.tenants, default=runs[0])
     ratio = big.tokens_per_s / small.tokens_per_s if small.tokens_per_s else float("nan")
     growth = 100 * (rss_end - rss_start) / rss_start if rss_start else float("nan")
     wait = f"{big.wait_p95_ms:.0f}" if big.wait_p95_ms is not None else "nan"
-    print(f"(512 stands for N={big.tenants}, 8 for N={small.tenants})")
+    print(f"(512 stands for N={big.tenants}, 8 for N={small.tenants}; every tenant sends the same 1 x "
+          f"{tokens}-token forward_backward + optim_step in a closed loop, so the ratio compares total "
+          f"trained tokens/s of many small tenants with few; rss growth: from the end of the first N to the end, "
+          f"so it includes every later N's new tenants; rss Δ%: over one N's measured time; cpu: cores used, of "
+          f"{os.cpu_count()})")
     print(f"RESULT tokens_per_s_512_vs_8={ratio:.2f} p95_wait_512_ms={wait} "
           f"errors={sum(r.errors for r in runs)} rss_growth_pct={growth:.1f}")
 
@@ -209,6 +324,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resident", type=int, default=16, help="CARPOOL_MAX_RESIDENT_ADAPTERS of the server")
     parser.add_argument("--mode", default="embedded", choices=["embedded", "cluster"])
     parser.add_argument("--quick", action="store_true", help="N = 1, 8, 32 for 8 s each")
+    parser.add_argument("--client-procs", type=int, default=0,
+                        help="client processes per N (0: one per --tenants-per-proc tenants)")
+    parser.add_argument("--tenants-per-proc", type=int, default=64,
+                        help="tenants per client process when --client-procs is 0")
     args = parser.parse_args()
     if args.quick:
         args.tenants, args.seconds = "1,8,32", 8.0
@@ -236,7 +355,7 @@ def main() -> None:
             rss_end = rss_mb(server.process.pid)
         finally:
             server.stop()
-    report(runs, rss_start, rss_end)
+    report(runs, rss_start, rss_end, args.tokens)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ caller (None), so a probe cannot tell which of them it hit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
@@ -78,6 +78,18 @@ def create_tenant_with_key(
     return Tenant.from_row(row, issued.key_id), issued
 
 
+TOUCH_INTERVAL_S = 60.0
+"""A key's `last_used_at` is refreshed at most this often."""
+
+
+def _use_is_stale(last_used_at: datetime | None, now: datetime) -> bool:
+    """Whether the key's recorded use is old enough to refresh. The row was just read, so a fresh one costs
+    no statement at all: the UPDATE (whose WHERE re-checks the age, for concurrent gateways) is a write,
+    which on SQLite takes the database's one write lock, and with hundreds of tenants re-authenticating
+    every cache interval it was the largest database cost of the gateway (py-spy, bench/load.py N = 128)."""
+    return last_used_at is None or now - last_used_at >= timedelta(seconds=TOUCH_INTERVAL_S)
+
+
 def authenticate(
     db: Session,
     key: str,
@@ -102,6 +114,6 @@ def authenticate(
     tenant_row = get_tenant(db, TenantId(key_row.tenant_id))
     if tenant_row is None or tenant_row.disabled:
         return None
-    if record_use:
-        touch_api_key(db, ApiKeyId(key_row.id), now=now or utcnow())
+    if record_use and _use_is_stale(key_row.last_used_at, now := now or utcnow()):
+        touch_api_key(db, ApiKeyId(key_row.id), now=now, min_interval_s=TOUCH_INTERVAL_S)
     return Tenant.from_row(tenant_row, ApiKeyId(key_row.id))

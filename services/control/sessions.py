@@ -14,6 +14,10 @@ from services.db.statements import MAX_PAGE_SIZE
 
 MAX_CHILDREN = MAX_PAGE_SIZE
 """Runs and samplers listed per session view (the API has no cursor there)."""
+HEARTBEAT_WRITE_INTERVAL_S = 30.0
+"""A session's `last_heartbeat_at` is written at most this often (the beats between are checked by a read).
+A live session's recorded beat is then at most this + the SDK's 10 s period old: `stale_session_seconds`
+(default 3600) must stay well above that."""
 
 
 class SessionOps:
@@ -32,7 +36,8 @@ class SessionOps:
 
     async def heartbeat(self, tenant: Tenant, session_id: SessionId) -> None:
         def tx(db: Session) -> bool:
-            if heartbeat_session(db, TenantId(tenant.id), session_id, now=self._ctx.clock()):
+            if heartbeat_session(db, TenantId(tenant.id), session_id, now=self._ctx.clock(),
+                                 min_interval_s=HEARTBEAT_WRITE_INTERVAL_S):
                 return True
             # A finished session's heartbeat is harmless; only an unknown one is an error.
             return get_session(db, TenantId(tenant.id), session_id) is not None

@@ -6,7 +6,7 @@ Every read takes the caller's `tenant_id` and treats another tenant's session as
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
@@ -69,13 +69,27 @@ def list_sessions(
 
 
 def heartbeat_session(
-    db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None
+    db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None,
+    min_interval_s: float = 0.0,
 ) -> bool:
-    """Mark the session alive. False if it is unknown to this tenant or already finished."""
+    """Mark the session alive. False if it is unknown to this tenant or already finished.
+
+    With `min_interval_s`, a live session whose recorded heartbeat is younger than that is only read: the
+    SDK beats every 10 s per client, so with hundreds of clients the UPDATEs (writes, each taking SQLite's
+    one write lock) were a large share of the gateway's database work, for a column the stale-session sweep
+    compares against an hour."""
+    now = now or utcnow()
+    if min_interval_s > 0:
+        row = db.execute(select(SessionRow.last_heartbeat_at, SessionRow.finished_at).where(
+            SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)).one_or_none()
+        if row is None or row.finished_at is not None:
+            return False
+        if row.last_heartbeat_at is not None and now - row.last_heartbeat_at < timedelta(seconds=min_interval_s):
+            return True
     stmt = update(SessionRow).where(
         SessionRow.id == session_id, SessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)
     )
-    return execute_count(db, stmt.values(last_heartbeat_at=now or utcnow())) == 1
+    return execute_count(db, stmt.values(last_heartbeat_at=now)) == 1
 
 
 def finish_session(

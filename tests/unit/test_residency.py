@@ -179,3 +179,53 @@ def test_disk_spill_keeps_ids_with_the_same_safe_name_apart(tmp_path: Path) -> N
     slots.put(second)
     slots.put(_state("other", 3))  # spills run_1 onto run/1's file
     _assert_same(_raw(slots.get(AdapterId("run/1"))), want)
+
+
+def test_a_disk_spill_is_raw_bytes_and_leaves_no_tensors_in_memory(tmp_path: Path) -> None:
+    slots = AdapterSlots(torch.device("cpu"), max_resident=1, spill_dir=tmp_path)
+    slots._spill_to_disk = True
+    state = _state("s0", 1)
+    want = _raw(state)
+    slots.put(state)
+    slots.put(_state("s1", 2))  # spills s0
+    (path,) = tmp_path.glob("s0-*.spill")
+    # One file of numbers only (not a pickle or a torch zip): every factor, gradient and moment of s0,
+    # which now holds none of them in memory.
+    floats = sum(t.numel() for t in want.values())
+    assert path.stat().st_size == -(-floats * 4 // 64) * 64
+    assert not path.read_bytes().startswith((b"PK", b"\x80"))
+    assert state.params == {} and state.optimizer.exp_avg == {} and state.optimizer.exp_avg_sq == {}
+    assert not state._weights and state._grad_views is None
+    _assert_same(_raw(slots.get(AdapterId("s0"))), want)
+    assert not path.exists()
+
+
+def test_a_banked_adapter_spills_with_its_pending_gradient(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Spills are written straight from the bank rows (no private copies first): the gradient a pass left
+    # in an adapter's gradient rows must be in the file, and must not be clobbered by the row's next owner.
+    config = EngineConfig(device="cpu", dtype="float32", max_resident_adapters=1, spill_dir=tmp_path)
+    engine = Engine(tiny_model_dir, name="tiny", config=config)
+    first, second = AdapterId("a0"), AdapterId("a1")
+    engine.create_adapter(first, SPECS[first])
+    engine.forward_backward([_work(first, 1)])
+    before = _snapshot(engine, first)
+    assert any(k.startswith("grad:") for k in before)
+    engine.create_adapter(second, LoraSpec(rank=2, seed=9))  # a0's shapes, same bank: a0 spills
+    third = AdapterId("a2")
+    engine.create_adapter(third, LoraSpec(rank=2, seed=10))  # placed in the row a0 left; a1 spills
+    engine.forward_backward([_work(third, 2)])  # and trains there
+    assert engine.slots.resident_ids() == [third]
+    _assert_same(_snapshot(engine, first), before)
+
+
+def test_a_failed_disk_spill_keeps_the_adapter_in_memory(tmp_path: Path) -> None:
+    blocked = tmp_path / "spill"
+    blocked.write_text("a file where the spill directory should be")
+    slots = AdapterSlots(torch.device("cpu"), max_resident=1, spill_dir=blocked)
+    slots._spill_to_disk = True
+    state = _state("s0", 1)
+    want = _raw(state)
+    slots.put(state)
+    slots.put(_state("s1", 2))  # the spill of s0 fails: it stays in host memory
+    assert slots.resident_ids() == [AdapterId("s1")] and len(slots) == 2
+    _assert_same(_raw(slots.get(AdapterId("s0"))), want)

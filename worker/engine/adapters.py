@@ -78,7 +78,8 @@ class AdapterState:
         return out
 
     def __getstate__(self) -> dict[str, object]:
-        # Spill files pickle the state: the weights cache references bank tensors and must not go along.
+        # A pickled state must not carry the weights cache: it references bank tensors. (Spill files no
+        # longer pickle states: worker/engine/residency.py.)
         return {**self.__dict__, "_weights": {}, "_grad_views": None}
 
     def layer_names(self) -> list[str]:

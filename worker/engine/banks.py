@@ -133,6 +133,9 @@ class ClassBank:
         state.grad_rows.valid = False
         self._owners[slot] = None
 
+    def vacate(self, slot: int) -> None:
+        self._owners[slot] = None
+
     def _grow(self, rows: int) -> None:
         used = len(self._owners)
         with torch.no_grad():
@@ -180,6 +183,16 @@ class AdapterBanks:
         if state.placement is None:
             return
         state.placement.bank.give_back(state, state.placement.slot)
+        state.placement = None
+
+    def vacate(self, state: AdapterState) -> None:
+        """Free `state`'s row without giving it private copies first (`release` does): for an adapter whose
+        tensors were just written elsewhere (a spill file) and are dropped next. Its tensors still view the
+        row, which the next adapter placed there overwrites."""
+        if state.placement is None:
+            return
+        state.grad_rows.valid = False
+        state.placement.bank.vacate(state.placement.slot)
         state.placement = None
 
     def rows_in_use(self) -> int:
