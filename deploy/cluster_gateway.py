@@ -152,6 +152,7 @@ def serve_cluster_gateway(settings: ClusterSettings) -> None:
     try:
         log.info("cluster gateway serving on http://%s:%d", settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None,
-                    access_log=settings.access_log)
+                    access_log=settings.access_log,
+                    timeout_keep_alive=settings.http_keep_alive_seconds)
     finally:
         gateway.close()

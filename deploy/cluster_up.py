@@ -120,7 +120,8 @@ def cluster_up(settings: ClusterSettings) -> None:
         log.info("cluster serving %s on http://%s:%d", ", ".join(s.name for s in config.base_models),
                  settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None,
-                    access_log=settings.access_log)
+                    access_log=settings.access_log,
+                    timeout_keep_alive=settings.http_keep_alive_seconds)
     finally:
         hub_worker.stop()
         for scheduler in schedulers:

@@ -233,6 +233,7 @@ def serve(settings: ServiceSettings) -> None:
         log.info("serving %s on http://%s:%d", ", ".join(service.engines), settings.host, settings.port)
         # log_config=None: uvicorn's loggers propagate to ours, so their records are redacted too.
         uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                    access_log=settings.access_log)
+                    access_log=settings.access_log,
+                    timeout_keep_alive=settings.http_keep_alive_seconds)
     finally:
         service.stop()

@@ -169,6 +169,9 @@ class ServiceSettings(BaseSettings):
         "Retries of a hub push after a transient failure (connection error, 5xx, 429), with exponential "
         "backoff; none after 401/403/404."))
     log_level: str = Field("INFO", description="Root log level (DEBUG, INFO, WARNING, ...).")
+    http_keep_alive_seconds: int = Field(75, gt=0, description=(
+        "How long an idle client connection stays open. Above the SDK's 10 s heartbeat period, so each client "
+        "keeps its connections instead of reconnecting between heartbeats (uvicorn's own default is 5 s)."))
     access_log: bool = Field(False, description=(
         "Log one line per HTTP request (uvicorn's access log). Off by default: every request is already "
         "counted in /metrics (route, status, latency) and every training/sampling request is in the request "
