@@ -23,6 +23,7 @@ RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_mult
        train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
 
     .venv/bin/python bench/service.py [--quick] [--tenants 8] [--seconds 20] [--rounds 2] [--mode embedded]
+                                      [--threads] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -80,6 +81,30 @@ def tree_cpu_seconds(root_pid: int) -> float:
     return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each thread of process `pid`, by thread id."""
+    out: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by native thread id, from `py-spy dump` (3.11 does not name native threads);
+    numbered pool threads share one name (`carpool-blocking-N`)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return {}
+    text = subprocess.run([str(spy), "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
+                          text=True, timeout=60).stdout
+    found = re.finditer(r'^Thread (\d+) \(\w+\): "([^"]*)"', text, re.M)
+    return {int(m[1]): re.sub(r"([-_])\d+$", r"\1N", m[2]) for m in found}
+
+
 # -- one phase ---------------------------------------------------------------------------------------
 @dataclass
 class Phase:
@@ -91,6 +116,8 @@ class Phase:
     passes: list[tuple[int, int, int]] = field(default_factory=list)
     """(requests, tokens, tenants) per pass."""
     sample_batches: list[int] = field(default_factory=list)
+    threads: dict[str, float] = field(default_factory=dict)
+    """Server CPU seconds by thread name (`--threads`): where the service path's time goes."""
 
     @property
     def tok_s(self) -> float:
@@ -137,9 +164,9 @@ class Recorder:
 
 
 def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float], None]], seconds: float,
-              profile: Path | None = None) -> Phase:
+              profile: Path | None = None, threads: bool = False) -> Phase:
     """Run every loop on its own thread until `seconds` pass; measure the server meanwhile (and py-spy it
-    into `profile`, folded stacks, when given)."""
+    into `profile`, folded stacks, when given; its CPU per thread with `threads`)."""
     phase = Phase(name)
     spy = None if profile is None else subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.process.pid), "--format", "raw",
@@ -147,6 +174,7 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
          "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     recorder = Recorder(phase)
     log_offset = len(server.log())
+    per_thread0 = thread_cpu_seconds(server.process.pid) if threads else {}
     cpu0, started = tree_cpu_seconds(server.process.pid), time.perf_counter()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=loop, args=(recorder, deadline), daemon=True) for loop in loops]
@@ -158,6 +186,11 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     if spy is not None:
         spy.wait(60)
     phase.cpu_s = tree_cpu_seconds(server.process.pid) - cpu0
+    if threads:
+        names = thread_names(server.process.pid)
+        for tid, cpu in thread_cpu_seconds(server.process.pid).items():
+            name = names.get(tid, "MainThread" if tid == server.process.pid else "native")
+            phase.threads[name] = phase.threads.get(name, 0.0) + cpu - per_thread0.get(tid, 0.0)
     text = server.log()[log_offset:]
     phase.passes = [(int(a), int(b), int(c)) for a, b, c in PASS_LINE.findall(text)]
     phase.sample_batches = [int(a) for a, _ in SAMPLE_LINE.findall(text)]
@@ -227,6 +260,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
+    parser.add_argument("--threads", action="store_true",
+                        help="also report the server's CPU per thread (names through py-spy dump) per phase")
     parser.add_argument("--profile", type=Path, default=None,
                         help="py-spy the server during the first train_multi phase; folded stacks to this file")
     args = parser.parse_args()
@@ -236,19 +271,33 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_round(server: Server, tenants: list[Tenant], args: argparse.Namespace) -> dict[str, Phase]:
-    n, t, vocab = args.tenants, args.tokens, args.vocab
+    n, t, vocab, th = args.tenants, args.tokens, args.vocab, args.threads
     phases = {
-        "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2),
+        "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2, threads=th),
         "train_multi": run_phase(server, "train_multi", [train_loop(x, 1, t, vocab) for x in tenants], args.seconds,
-                                 args.profile),
-        "train_single": run_phase(server, "train_single", [train_loop(tenants[0], n, t, vocab)], args.seconds),
+                                 args.profile, th),
+        "train_single": run_phase(server, "train_single", [train_loop(tenants[0], n, t, vocab)], args.seconds,
+                                  threads=th),
     }
     if not args.skip_sampling:
         phases["sample_multi"] = run_phase(server, "sample_multi",
-                                           [sample_loop(x, args.samples, t) for x in tenants], args.seconds)
+                                           [sample_loop(x, args.samples, t) for x in tenants], args.seconds, threads=th)
         phases["sample_single"] = run_phase(server, "sample_single",
-                                            [sample_loop(tenants[0], n * args.samples, t)], args.seconds)
+                                            [sample_loop(tenants[0], n * args.samples, t)], args.seconds, threads=th)
     return phases
+
+
+def report_threads(rounds: list[dict[str, Phase]]) -> None:
+    """Server CPU per request kind's round (one tenant's fb + optim, or one sample call) by thread, ms."""
+    print("server CPU ms per client call (train: one fb + optim_step; sample: one sample call) by thread:")
+    for i, phases in enumerate(rounds):
+        for phase in phases.values():
+            calls = len(phase.rtt_ms.get("fb", [])) + len(phase.rtt_ms.get("sample", []))
+            if not phase.threads or not calls:
+                continue
+            parts = sorted(phase.threads.items(), key=lambda kv: -kv[1])
+            text = "  ".join(f"{name} {1000 * cpu / calls:.2f}" for name, cpu in parts if cpu > 0)
+            print(f"  round {i + 1} {phase.name:<13} {text}")
 
 
 def ratio(rounds: list[dict[str, Phase]], metric: Callable[[dict[str, Phase]], float]) -> float:
@@ -262,6 +311,8 @@ def report(rounds: list[dict[str, Phase]], args: argparse.Namespace) -> None:
         print(f"-- round {i + 1}")
         for phase in phases.values():
             print(phase.row())
+    if args.threads:
+        report_threads(rounds)
 
     def cpu(single: str, multi: str) -> Callable[[dict[str, Phase]], float]:
         return lambda r: r[single].cpu_ms_per_token / r[multi].cpu_ms_per_token if multi in r else float("nan")
