@@ -12,6 +12,7 @@ conftest sets it per module (`CARPOOL_E2E_MODES`, `CARPOOL_E2E_CLUSTER_MODULES`)
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,6 +97,22 @@ def start_server(data_dir: Path, model_dir: Path | None = None, *, extra_env: di
             raise ValueError("start_server needs model_dir or base_model_spec")
         base_model_spec = f"{TINY_MODEL_NAME}={model_dir}"
     mode = mode or default_mode()
+    for attempt in range(3):
+        try:
+            return _start_once(data_dir, base_model_spec, extra_env, timeout_s, mode)
+        except PortTaken:
+            if attempt == 2:
+                raise
+            shutil.rmtree(data_dir, ignore_errors=True)  # a fresh start: nothing was served from it
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind the port `free_port()` chose: another process took it meanwhile."""
+
+
+def _start_once(data_dir: Path, base_model_spec: str, extra_env: dict[str, str] | None, timeout_s: float,
+                mode: str) -> Server:
     port = free_port()
     args, mode_env, cleanups = ["serve", "--port", str(port), "--base-model", base_model_spec], {}, []
     if mode == "cluster":
@@ -124,15 +141,30 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, ti
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"carpool serve exited with {process.returncode}:\n{log_path.read_text()}")
+            text = log_path.read_text(errors="replace")
+            if "address already in use" in text.lower():
+                raise PortTaken(f"carpool serve could not bind its port:\n{text}")
+            raise RuntimeError(f"carpool serve exited with {process.returncode}:\n{text}")
         try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+            if is_carpool_health(httpx.get(f"{url}/api/v1/healthz", timeout=2)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
     process.kill()
     raise RuntimeError(f"carpool serve not healthy after {timeout_s}s:\n{log_path.read_text()}")
+
+
+def is_carpool_health(response: httpx.Response) -> bool:
+    """Our healthz answer, not just any 200: between `free_port()` and the gateway's bind (a cluster first
+    starts Ray, tens of seconds) another process may take the port — Ray's own Prometheus exporter binds
+    random ports and answers every GET with 200 — and a test must not talk to it."""
+    if response.status_code != 200:
+        return False
+    try:
+        return bool(response.json() == {"status": "ok"})
+    except ValueError:
+        return False
 
 
 def _admin_key(log_path: Path) -> str:

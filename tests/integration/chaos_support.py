@@ -30,7 +30,7 @@ import redis
 from deploy.settings import ClusterSettings
 from services.runtime.journal import RedisPlacement
 from services.runtime.redis_replicas import ClusterKeys, RedisReplicaLink, connect
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, is_carpool_health
 from tests.integration import chaos_processes
 from tests.integration.cluster_support import (
     BASE,
@@ -179,7 +179,7 @@ class Gateway:
         if not self.process.is_alive():
             raise AssertionError(f"gateway exited:\n{self.log_path.read_text()}")
         try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/api/v1/healthz", timeout=2).status_code == 200
+            return is_carpool_health(httpx.get(f"http://127.0.0.1:{self.port}/api/v1/healthz", timeout=2))
         except httpx.HTTPError:
             return False
 

@@ -37,7 +37,7 @@ from services.db.schema import upgrade_to_head
 from services.domain.training import AdamParams, AdapterId, Datum, ForwardBackwardWork, LoraSpec
 from services.runtime.redis_replicas import connect
 from tests.e2e.cluster_mode import wipe_prefix
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, is_carpool_health
 from worker.engine.engine import Engine, EngineConfig
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -379,7 +379,7 @@ class GatewayProcess:
             if self.process.poll() is not None:
                 raise AssertionError(f"gateway exited:\n{self.log_path.read_text()}")
             try:
-                return httpx.get(f"http://127.0.0.1:{self.port}/api/v1/healthz", timeout=2).status_code == 200
+                return is_carpool_health(httpx.get(f"http://127.0.0.1:{self.port}/api/v1/healthz", timeout=2))
             except httpx.HTTPError:
                 return False
 
