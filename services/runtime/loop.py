@@ -36,7 +36,7 @@ from services.jobqueue.protocol import (
 from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
-from services.scheduler.requests import BarrierPlan, Completion, PlanItem, QueuedRequest, RequestId, RequestKind
+from services.scheduler.requests import Completion, PlanItem, QueuedRequest, RequestId, RequestKind
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,8 @@ class SchedulerLoop:
         plan = self._scheduler.step()
         self._hold_until = None if plan.hold_s is None else time.monotonic() + plan.hold_s
         self._deliver(list(plan.rejected), None)
-        for item in (*plan.passes, *plan.sample_batches):  # first: they carry every tenant's latency
+        for item in plan.items:
             self._execute(item)
-        self._execute_barriers(plan.barriers)
         self._counters.record_scheduler(self._scheduler.stats(), self._queue.depth(self.base_model))
         return len(plan.items) + len(plan.rejected)
 
@@ -184,27 +183,6 @@ class SchedulerLoop:
         self._notify_started(item.requests, pass_id)
         results = self._dispatcher.run(item)
         self._deliver(self._scheduler.complete(item, results), pass_id)
-
-    def _execute_barriers(self, barriers: Sequence[BarrierPlan]) -> None:
-        """Saves, loads and the like one by one; the step's optimizer steps back to back and recorded as one
-        group (one pass id, one completion-hook transaction, one wake-up). Tenants in lock-step send their
-        optim_steps together, and their bookkeeping one by one cost more than the steps themselves (the
-        updates are deferred into the next pass). A step has at most one barrier per model, so running the
-        optimizer steps after the other barriers reorders nothing within a model."""
-        steps = [item for item in barriers if item.request.kind is RequestKind.OPTIM_STEP]
-        for item in barriers:
-            if item.request.kind is not RequestKind.OPTIM_STEP:
-                self._execute(item)
-        if not steps:
-            return
-        pass_id = f"{self._pass_prefix}-{steps[0].item_id}"
-        completions: list[Completion] = []
-        for item in steps:
-            # Started one by one, right before each dispatch: a cluster's dispatch context tags the RPC with
-            # the barrier being sent (exactly-once), and the hook's last start is the group's.
-            self._notify_started(item.requests, pass_id)
-            completions.extend(self._scheduler.complete(item, self._dispatcher.run(item)))
-        self._deliver(completions, pass_id)
 
     def _notify_started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         self._counters.record_started(requests)

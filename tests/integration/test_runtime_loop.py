@@ -28,9 +28,9 @@ from services.domain.training import (
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
 from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
 from services.runtime.loop import TenantActivity
-from services.runtime.reporting import CompletionHook, StoreResults
+from services.runtime.reporting import CompletionHook
 from services.scheduler import QueuedRequest, RequestId, RequestKind
-from services.scheduler.requests import Completion, ModelId, TenantId
+from services.scheduler.requests import ModelId, TenantId
 
 BASE = "fake"
 
@@ -294,49 +294,3 @@ def test_tenant_activity_counts_tenants_within_the_lookback() -> None:
     assert activity.note([], now=11.6) == 1  # a was last seen at 10.5
     assert activity.note(["c", "c"], now=13.0) == 1  # b expired too; c counts once
 
-
-class RecordingHook:
-    """Records what the loop reports: (pass id, request ids) per `started` and per `finished`."""
-
-    def __init__(self) -> None:
-        self.started_calls: list[tuple[str, list[str]]] = []
-        self.finished_calls: list[tuple[str | None, list[str]]] = []
-
-    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
-        self.started_calls.append((pass_id, [r.request_id for r in requests]))
-
-    def finished(self, completions: Sequence[Completion], pass_id: str | None,
-                 store: StoreResults) -> list[Completion]:
-        self.finished_calls.append((pass_id, [c.request.request_id for c in completions]))
-        store(completions)
-        return list(completions)
-
-
-def test_a_steps_optimizer_steps_are_recorded_as_one_group() -> None:
-    """Tenants in lock-step send their optim_steps together: the step runs each on its own model (one
-    backend call each) and records them together, one pass id and one hook call; other barriers (here a
-    create) stay items of their own, and every tenant gets its own result."""
-    hook = RecordingHook()
-    rig = Rig(hook)
-    for i in range(3):
-        rig.put(f"m{i}", RequestKind.CREATE, 0, CreateAdapter(ModelId(f"m{i}"), AdapterId(f"m{i}"), LoraSpec(rank=2)),
-                tenant=f"t{i}")
-    rig.loop.run_once()
-    hook.started_calls.clear()
-    hook.finished_calls.clear()
-    steps = {i: rig.put(f"m{i}", RequestKind.OPTIM_STEP, 1,
-                        OptimStep(AdapterId(f"m{i}"), AdamParams(learning_rate=i + 1.0)), tenant=f"t{i}")
-             for i in range(3)}
-    late = rig.put("m3", RequestKind.CREATE, 0, CreateAdapter(ModelId("m3"), AdapterId("m3"), LoraSpec(rank=2)),
-                   tenant="t3")
-    rig.loop.run_once()
-    assert [kind for kind, _ in rig.backend.calls].count("optim") == 3
-    grouped = [(p, ids) for p, ids in hook.finished_calls if set(ids) == set(steps.values())]
-    assert len(grouped) == 1, hook.finished_calls  # one hook call for the three steps
-    pass_id = grouped[0][0]
-    # Each step is announced right before its own dispatch (a cluster tags each RPC with its barrier).
-    assert [(p, ids) for p, ids in hook.started_calls if p == pass_id] == [(pass_id, [rid]) for rid in steps.values()]
-    assert [ids for p, ids in hook.finished_calls if p != pass_id] == [[late]]  # the create: its own item
-    for i, rid in steps.items():
-        assert rig.result(rid) == OptimStepDone({"learning_rate:mean": i + 1.0})
-    assert rig.queue.unacked(BASE) == 0 and rig.loop.stats().barriers == 7
