@@ -94,6 +94,9 @@ def test_log_filter_redacts_arguments_and_exceptions() -> None:
     handler.addFilter(RedactApiKeysFilter())
     logger.addHandler(handler)
     logger.propagate = False
+    # Its own level: the root logger's is whatever an earlier test in this process left (a server started in
+    # process sets it from CARPOOL_LOG_LEVEL), and a WARNING record must reach the handler whatever the order.
+    logger.setLevel(logging.DEBUG)
     try:
         logger.warning("bad key %s", key)
         try:
@@ -102,6 +105,7 @@ def test_log_filter_redacts_arguments_and_exceptions() -> None:
             logger.exception("while authenticating")
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
     assert len(records) == 2
     assert all(key not in r for r in records)
     assert key_prefix(key) in records[0]
