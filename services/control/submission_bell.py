@@ -12,46 +12,29 @@ by more than the recheck).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 
-from services.jobqueue.memory import resolve_all_threadsafe
+from services.jobqueue.memory import KeyedWaiters, resolve_all_threadsafe
 
 
 class SubmissionBell:
     """Per-key one-shot wake-ups: `wait(key)` returns True when `ring(key)` comes first, False on timeout."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # rung and awaited on the gateway's loop; tests drive several loops
-        self._waiters: dict[str, list[asyncio.Future[bool]]] = {}
+        self._waiters = KeyedWaiters()  # rung and awaited on the gateway's loop; tests drive several loops
 
     def ring(self, key: str) -> None:
         """Wake every poll waiting on `key` now (a later wait is not woken by this ring)."""
-        with self._lock:
-            waiters = self._waiters.pop(key, [])
-        resolve_all_threadsafe(waiters)
+        resolve_all_threadsafe(self._waiters.take([key]))
 
     async def wait(self, key: str, timeout_s: float) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            self._waiters.setdefault(key, []).append(future)
+        self._waiters.park(key, future)
         try:
             return await asyncio.wait_for(future, max(0.0, timeout_s))
         except TimeoutError:
             return False
         finally:
-            self._discard(key, future)
+            self._waiters.discard(key, future)
 
     def waiting(self) -> int:
-        with self._lock:
-            return sum(len(futures) for futures in self._waiters.values())
-
-    def _discard(self, key: str, future: asyncio.Future[bool]) -> None:
-        with self._lock:
-            futures = self._waiters.get(key)
-            if futures is None:
-                return
-            with contextlib.suppress(ValueError):
-                futures.remove(future)
-            if not futures:
-                del self._waiters[key]
+        return self._waiters.count()

@@ -121,24 +121,54 @@ class InMemoryResultStore:
                 del self._results[request_id]
 
 
+class KeyedWaiters:
+    """Futures parked per key, thread-safe: what a notifier (or any per-key wake-up) keeps for its waiters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[str, list[asyncio.Future[bool]]] = {}
+
+    def park(self, key: str, future: asyncio.Future[bool]) -> None:
+        with self._lock:
+            self._futures.setdefault(key, []).append(future)
+
+    def take(self, keys: Iterable[str]) -> list[asyncio.Future[bool]]:
+        """Remove and return every future parked on `keys`."""
+        with self._lock:
+            return [f for key in keys for f in self._futures.pop(key, [])]
+
+    def discard(self, key: str, future: asyncio.Future[bool]) -> None:
+        with self._lock:
+            futures = self._futures.get(key)
+            if futures is None:
+                return
+            if future in futures:
+                futures.remove(future)
+            if not futures:
+                del self._futures[key]
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(futures) for futures in self._futures.values())
+
+
 class InMemoryNotifier:
     """`Notifier` with per-waiter asyncio futures; one instance serves every long-poll of a process."""
 
     def __init__(self, retention_s: float = 60.0, max_retained: int = 100_000, clock: Clock = time.monotonic):
         self._clock = clock
-        self._lock = threading.Lock()
-        self._waiters: dict[RequestId, list[asyncio.Future[bool]]] = {}
+        self._lock = threading.Lock()  # publishes and the waits that check them
+        self._waiters = KeyedWaiters()
         self._published = RecentIds(retention_s, max_retained, clock)
 
     def publish(self, request_id: RequestId) -> None:
         self.publish_many([request_id])
 
     def publish_many(self, request_ids: Sequence[RequestId]) -> None:
-        waiters: list[asyncio.Future[bool]] = []
         with self._lock:
             for request_id in request_ids:
                 self._published.add(request_id)
-                waiters.extend(self._waiters.pop(request_id, []))
+            waiters = self._waiters.take(request_ids)
         resolve_all_threadsafe(waiters)
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
@@ -148,28 +178,17 @@ class InMemoryNotifier:
                 return True
             if timeout_s <= 0:
                 return False
-            self._waiters.setdefault(request_id, []).append(future)
+            self._waiters.park(request_id, future)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             return False
         finally:
-            self._discard(request_id, future)
+            self._waiters.discard(request_id, future)
 
     def waiting(self) -> int:
         """Waiters currently parked (for metrics)."""
-        with self._lock:
-            return sum(len(futures) for futures in self._waiters.values())
-
-    def _discard(self, request_id: RequestId, future: asyncio.Future[bool]) -> None:
-        with self._lock:
-            futures = self._waiters.get(request_id)
-            if futures is None:
-                return
-            if future in futures:
-                futures.remove(future)
-            if not futures:
-                del self._waiters[request_id]
+        return self._waiters.count()
 
 
 def resolve_all_threadsafe(futures: Sequence[asyncio.Future[bool]]) -> None:
