@@ -106,7 +106,7 @@ class TrainingOps:
         if kind == "sampler" and options.name is None:
             prepare = self._ephemeral_preparer(tenant, model_id, sampling_session_seq_id)
         else:
-            prepare = self._named_preparer(tenant, model_id, kind, options)
+            prepare = self._named_preparer(tenant, model_id, kind, options, seq_id)
         call = OrderedCall(tenant, model_id, seq_id, SAVE_KIND_NAMES[kind], prepare)
         return await self._submitter.submit(call)
 
@@ -131,7 +131,7 @@ class TrainingOps:
 
     # -- saves ------------------------------------------------------------------------------------
     def _named_preparer(self, tenant: Tenant, model_id: ModelId, kind: CheckpointKindName,
-                        options: SaveOptions) -> Preparer:
+                        options: SaveOptions, seq_id: int) -> Preparer:
         name = options.name
 
         def prepare(db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
@@ -144,6 +144,8 @@ class TrainingOps:
                                        "pass overwrite=True", "user")
             self._ctx.quotas.check_storage(db, tenant, replacing=existing is not None)
             record = self._record(tenant, model_id, kind, name, options)
+            if not self._ctx.store.remote:  # a remote store's names are checked where its files are
+                record = replace(record, save_token=f"{model_id}/{seq_id}")
             local = self._ctx.store.local_path(record.storage_uri)
             recipients = _age_recipients(kind, options)
             if recipients:

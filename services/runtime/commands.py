@@ -24,6 +24,7 @@ from services.db.ids import ModelId, SamplingSessionId
 from services.domain.backend import Backend
 from services.domain.sampling import SampleWork
 from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork, LoraSpec, WorkError
+from services.storage.local import claim_save, save_owner
 from services.storage.protocol import CheckpointKind
 
 
@@ -48,6 +49,9 @@ class CheckpointRecord:
     expires_at: datetime | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     overwrite: bool = False
+    save_token: str = ""
+    """Names the submission (`<model>/<seq_id>`): a re-run of this very save after a crash finds its own
+    earlier files by it and overwrites them, where a racing save of the same name is refused."""
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,21 @@ class Save:
         return CheckpointRef(self.record.tinker_path, self.kind, size)
 
     def clash(self) -> WorkError | None:
-        """The control plane refused name clashes at submission; this catches two saves of one name racing."""
-        if not self.record.overwrite and self.path.exists():
+        """The control plane refused name clashes at submission; this catches two saves of one name racing.
+
+        A directory this same submission wrote before a crash (scheduler and replica killed after the files
+        were in place, before the result was stored) is not a clash: the successor re-runs the request and
+        must overwrite its own attempt. Claims the name for this submission when it is free."""
+        if self.record.overwrite:
+            return None
+        token = self.record.save_token
+        if self.path.exists() and (not token or save_owner(self.path) != token):
             return WorkError(f"checkpoint {self.record.tinker_path} already exists; save under another name "
                              "or pass overwrite=True", "user")
+        if token:
+            claim_save(self.path, token)
         return None
+
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class LocalCheckpointStore:
         if not path.exists():
             return False
         shutil.rmtree(path)
+        owner_file(path).unlink(missing_ok=True)
         return True
 
     def size(self, uri: str) -> int:
@@ -138,3 +139,27 @@ class LocalCheckpointStore:
         if not all(_ESCAPED.fullmatch(p) and not p.startswith(".") for p in parts):
             raise StorageError(f"malformed local storage URI: {uri!r}")
         return "/".join(parts)
+
+
+def owner_file(path: Path) -> Path:
+    """The sidecar naming the submission that wrote the checkpoint at `path` (names never start with a dot)."""
+    return path.with_name(f".{path.name}.save-token")
+
+
+def save_owner(path: Path) -> str | None:
+    try:
+        return owner_file(path).read_text() or None
+    except OSError:
+        return None
+
+
+def claim_save(path: Path, token: str) -> None:
+    """Written, and on disk, before the save starts: a crash after the save must find it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = owner_file(path)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
