@@ -30,6 +30,7 @@ from services.db.columns import utcnow
 from services.db.database import Database
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
+from services.db.statements import core
 from services.domain.training import WorkError
 from services.jobqueue.protocol import Notifier, ResultStatus, ResultStore, StoredResult, WorkQueue
 from services.scheduler.requests import ModelId as QueueModelId
@@ -142,6 +143,16 @@ def request_for_seq(db: Session, model_id: ModelId, seq_id: int) -> RequestRow |
 _REQUEST_FOR_SEQ = select(RequestRow).where(RequestRow.model_id == bindparam("model_id"),
                                             RequestRow.seq_id == bindparam("seq_id"))
 """Built once: every ordered submission looks its seq id up."""
+
+
+def seq_taken(db: Session, model_id: ModelId, seq_id: int) -> tuple[RequestId, str] | None:
+    """`request_for_seq` as (request id, kind), through a Core statement: the ordered submissions' hot path."""
+    row = core(db).execute(_SEQ_TAKEN, {"model_id": model_id, "seq_id": seq_id}).one_or_none()
+    return None if row is None else (RequestId(row[0]), row[1])
+
+
+_SEQ_TAKEN = select(RequestRow.id, RequestRow.kind).where(RequestRow.model_id == bindparam("model_id"),
+                                                          RequestRow.seq_id == bindparam("seq_id"))
 
 
 def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:

@@ -21,13 +21,12 @@ from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import Conflict, ControlError, Invalid, NotFound, QuotaExceeded, Submitted
-from services.control.context import ControlContext, not_found, request_for_seq
+from services.control.context import ControlContext, not_found, seq_taken
 from services.control.quotas import QuotaGate
 from services.control.registry import ServedModel
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
-from services.db.models import TrainingRunRow
 from services.db.request_log import mark_request_failed, record_request
-from services.db.runs import get_training_run, reserve_seq_id
+from services.db.runs import RunFacts, reserve_seq_id, run_facts
 from services.scheduler.requests import RequestKind
 
 MAX_SEQ_ID = 2**31 - 2
@@ -59,8 +58,9 @@ class Prepared:
     """Logged on the request row (an ephemeral save names the sampling session it creates)."""
 
 
-Preparer = Callable[[Session, TrainingRunRow, ServedModel], Prepared]
-"""Checks a new request inside its transaction; raises `ControlError` or `FailedSubmission` to refuse it."""
+Preparer = Callable[[Session, RunFacts, ServedModel], Prepared]
+"""Checks a new request inside its transaction; raises `ControlError` or `FailedSubmission` to refuse it.
+A preparer that changes the run loads its row itself (`get_training_run`, same transaction)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class OrderedSubmitter:
         if seq_id < 1:
             return  # seq 0 is the model's creation and negative ids never block anything
 
-        def refuse(_db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def refuse(_db: Session, _run: RunFacts, _served: ServedModel) -> Prepared:
             raise FailedSubmission(error, "user")
 
         await self.submit(OrderedCall(tenant, model_id, seq_id, REJECTED_KIND, refuse))
@@ -123,12 +123,12 @@ class OrderedSubmitter:
 
     def _decide_tx(self, db: Session, call: OrderedCall) -> _Decision:
         tenant_id = TenantId(call.tenant.id)
-        run = get_training_run(db, tenant_id, call.model_id)
+        run = run_facts(db, tenant_id, call.model_id)
         if run is None:
             raise NotFound(not_found("model", call.model_id), field="model_id")
-        existing = request_for_seq(db, call.model_id, call.seq_id)
+        existing = seq_taken(db, call.model_id, call.seq_id)
         if existing is not None:
-            return _duplicate(existing.id, existing.kind, call)
+            return _duplicate(*existing, call)
         served = self._ctx.registry.for_run(run.base_model)
         quotas = None if call.kind_name == REJECTED_KIND else self._ctx.quotas
         if quotas is not None:

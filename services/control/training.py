@@ -26,8 +26,7 @@ from services.control.submission import FailedSubmission, OrderedCall, OrderedSu
 from services.db.checkpoints import get_checkpoint
 from services.db.errors import NotFoundError
 from services.db.ids import ModelId, SessionId, TenantId, sampling_session_id
-from services.db.models import TrainingRunRow
-from services.db.runs import create_sampling_session
+from services.db.runs import RunFacts, create_sampling_session, get_training_run
 from services.domain.backend import Backend
 from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork, WorkError
 from services.domain.validation import InvalidWork, validate_forward_backward
@@ -82,7 +81,7 @@ class TrainingOps:
         work = replace(work, adapter_id=AdapterId(model_id))
         kind = RequestKind.FORWARD if work.forward_only else RequestKind.FORWARD_BACKWARD
 
-        def prepare(_db: Session, _run: TrainingRunRow, served: ServedModel) -> Prepared:
+        def prepare(_db: Session, _run: RunFacts, served: ServedModel) -> Prepared:
             _validate_work(work, served)
             return Prepared(kind, ForwardBackward(work), work.num_tokens, billed_tokens=work.billed_tokens)
 
@@ -90,7 +89,7 @@ class TrainingOps:
 
     async def optim_step(self, tenant: Tenant, model_id: ModelId, seq_id: int,
                          params: AdamParams) -> Submitted:
-        def prepare(_db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def prepare(_db: Session, _run: RunFacts, _served: ServedModel) -> Prepared:
             _validate_adam(params)
             return Prepared(RequestKind.OPTIM_STEP, OptimStep(AdapterId(model_id), params))
 
@@ -115,14 +114,16 @@ class TrainingOps:
         """The legacy `load_state`: replace an existing model's adapter, ordered like any request."""
         parsed = parse_path(path)
 
-        def prepare(db: Session, run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def prepare(db: Session, run: RunFacts, _served: ServedModel) -> Prepared:
             checkpoint, source = readable_checkpoint(db, tenant, parsed)
             if with_optimizer and checkpoint.kind != "training":
                 raise Invalid(f"checkpoint {parsed.uri} holds weights only", field="optimizer")
             if source.base_model != run.base_model:
                 raise Invalid(f"checkpoint {parsed.uri} was trained on {source.base_model}, "
                               f"this model on {run.base_model}", field="path")
-            run.lora_rank, run.lora_config = source.lora_rank, dict(source.lora_config)
+            row = get_training_run(db, TenantId(tenant.id), model_id)
+            assert row is not None  # `run` was read in this transaction
+            row.lora_rank, row.lora_config = source.lora_rank, dict(source.lora_config)
             local = self._ctx.store.local_path(checkpoint.storage_uri)
             load = Load(AdapterId(model_id), local, with_optimizer, model_id, parsed.uri, self._ctx.store.remote)
             return Prepared(RequestKind.LOAD, load)
@@ -134,7 +135,7 @@ class TrainingOps:
                         options: SaveOptions, seq_id: int) -> Preparer:
         name = options.name
 
-        def prepare(db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def prepare(db: Session, _run: RunFacts, _served: ServedModel) -> Prepared:
             _validate_name(name)
             assert name is not None
             tinker_path = checkpoint_path(model_id, kind, name)
@@ -174,7 +175,7 @@ class TrainingOps:
         if seq is None:
             raise Invalid("save_weights_for_sampler needs a path or a sampling_session_seq_id", field="path")
 
-        def prepare(db: Session, run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def prepare(db: Session, run: RunFacts, _served: ServedModel) -> Prepared:
             if seq < 0:
                 raise Invalid(f"sampling_session_seq_id must be >= 0, got {seq}",
                               field="sampling_session_seq_id")

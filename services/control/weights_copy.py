@@ -31,7 +31,7 @@ from services.db.checkpoints import create_checkpoint, get_checkpoint
 from services.db.errors import ConflictError
 from services.db.ids import ModelId, SessionId, TenantId, training_run_id
 from services.db.models import CheckpointRow, TrainingRunRow
-from services.db.runs import create_training_run, get_training_run, set_training_run_status
+from services.db.runs import RunFacts, create_training_run, get_training_run, set_training_run_status
 from services.db.sessions import create_session
 from services.domain.backend import Backend
 from services.domain.training import AdapterId
@@ -139,7 +139,7 @@ class WeightsCopyOps:
         if run is None:
             raise NotFound(not_found("model", model_id), field="model_id")
 
-        def prepare(db: Session, _run: TrainingRunRow, _served: ServedModel) -> Prepared:
+        def prepare(db: Session, _run: RunFacts, _served: ServedModel) -> Prepared:
             set_training_run_status(db, TenantId(tenant.id), model_id, "unloaded")
             return Prepared(RequestKind.SAVE, DropAdapter(model_id, AdapterId(model_id)))
 

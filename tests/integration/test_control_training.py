@@ -216,3 +216,22 @@ def test_a_request_accepted_here_is_answered_without_the_log_then_forgotten(harn
     with h.db.sessions.begin() as db:
         row = get_request(db, TenantId(t.id), fb.request_id)
         assert row is not None and row.status == "done" and row.pass_id and row.started_at is not None
+
+
+def test_the_legacy_in_place_load_takes_the_checkpoints_lora_config(harness: Harness) -> None:
+    """`load_weights` with model_id + seq_id replaces an existing model's adapter; the run row then records
+    the checkpoint's rank (the preparer loads and changes the row in the submission's transaction)."""
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    a = h.run(h.control.create_model(t, s, 0, BASE, SPEC, None)).model_id
+    ref = h.done(t, h.run(h.control.save(t, a, 1, "training", SaveOptions(name="ckpt"))).request_id)
+    assert isinstance(ref, CheckpointRef)
+    b = h.run(h.control.create_model(t, s, 1, BASE, LoraSpec(rank=8, seed=2), None)).model_id
+    assert h.run(h.control.get_info(t, b)).lora.rank == 8
+    loaded = h.run(h.control.load(t, path=ref.tinker_path, with_optimizer=True, model_id=b, seq_id=1))
+    assert h.done(t, loaded.request_id) == WeightsLoaded(b, ref.tinker_path)
+    assert h.run(h.control.get_info(t, b)).lora == SPEC
+    with pytest.raises(NotFound):  # another tenant's model is unknown to it, through the same path
+        h.run(h.control.load(h.tenant("other"), path=ref.tinker_path, with_optimizer=True, model_id=b,
+                             seq_id=2))
