@@ -145,14 +145,25 @@ _REQUEST_FOR_SEQ = select(RequestRow).where(RequestRow.model_id == bindparam("mo
 """Built once: every ordered submission looks its seq id up."""
 
 
-def seq_taken(db: Session, model_id: ModelId, seq_id: int) -> tuple[RequestId, str] | None:
-    """`request_for_seq` as (request id, kind), through a Core statement: the ordered submissions' hot path."""
+@dataclass(frozen=True)
+class TakenSeq:
+    """The request row that holds a seq id: what a retry of its submission needs to know."""
+
+    request_id: RequestId
+    kind: str
+    status: str
+    started: bool
+    """Whether a scheduler ever reported it running (an edge refusal never is)."""
+
+
+def seq_taken(db: Session, model_id: ModelId, seq_id: int) -> TakenSeq | None:
+    """`request_for_seq` as a `TakenSeq`, through a Core statement: the ordered submissions' hot path."""
     row = core(db).execute(_SEQ_TAKEN, {"model_id": model_id, "seq_id": seq_id}).one_or_none()
-    return None if row is None else (RequestId(row[0]), row[1])
+    return None if row is None else TakenSeq(RequestId(row[0]), row[1], row[2], row[3] is not None)
 
 
-_SEQ_TAKEN = select(RequestRow.id, RequestRow.kind).where(RequestRow.model_id == bindparam("model_id"),
-                                                          RequestRow.seq_id == bindparam("seq_id"))
+_SEQ_TAKEN = select(RequestRow.id, RequestRow.kind, RequestRow.status, RequestRow.started_at).where(
+    RequestRow.model_id == bindparam("model_id"), RequestRow.seq_id == bindparam("seq_id"))
 
 
 def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:

@@ -78,8 +78,8 @@ class ModelOps:
         served = self._ctx.registry.require(base_model)
         _check_lora(lora, served)
         new = _NewRun(tenant, session_id, model_seq_id, "create_model", base_model, lora, user_metadata)
-        model_id, request_id, is_new = await self._ctx.tx(lambda db: self._create_run_tx(db, new))
-        if is_new:
+        model_id, request_id, dispatch = await self._ctx.tx(lambda db: self._create_run_tx(db, new))
+        if dispatch:
             command = CreateAdapter(model_id, AdapterId(model_id), lora)
             self._ctx.enqueue(served, tenant, request_id, model_id, RequestKind.CREATE, 0, payload=command)
         return Submitted(request_id, model_id)
@@ -97,8 +97,8 @@ class ModelOps:
                           lora_spec_of(source))
             return (*self._create_run_tx(db, new), checkpoint, served)
 
-        model_id, request_id, is_new, checkpoint, served = await self._ctx.tx(tx)
-        if is_new:
+        model_id, request_id, dispatch, checkpoint, served = await self._ctx.tx(tx)
+        if dispatch:
             command = Load(AdapterId(model_id), self._ctx.store.local_path(checkpoint.storage_uri),
                            with_optimizer, model_id, parsed.uri, self._ctx.store.remote)
             self._ctx.enqueue(served, tenant, request_id, model_id, RequestKind.LOAD, 0, payload=command)
@@ -113,7 +113,9 @@ class ModelOps:
         return ModelInfo(model_id=run.id, base=served.info, lora=lora_spec_of(run))
 
     def _create_run_tx(self, db: Session, new: _NewRun) -> tuple[ModelId, RequestId, bool]:
-        """The run and its seq-0 request; an existing pair (a retry) is returned with is_new False."""
+        """The run and its seq-0 request, and whether to queue that request: a new one, or a retry's of one
+        still `queued` (the first attempt's process may have died between commit and queueing; the
+        scheduler drops a copy of a request it already has)."""
         tenant_id = TenantId(new.tenant.id)
         model_id = training_run_id(new.session_id, new.model_seq_id)
         if get_training_run(db, tenant_id, model_id) is None:
@@ -124,7 +126,7 @@ class ModelOps:
             if existing.kind != new.kind_name:
                 raise Conflict(f"model {model_id} was already created by a {existing.kind} request",
                                field="model_seq_id")
-            return model_id, existing.id, False
+            return model_id, existing.id, existing.status == "queued"
         row = record_request(db, tenant_id, new.kind_name, model_id=model_id, seq_id=0, now=self._ctx.clock())
         reserve_seq_id(db, tenant_id, model_id, 0, now=self._ctx.clock())
         return model_id, row.id, True

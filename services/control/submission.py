@@ -9,6 +9,12 @@ this one forever. A refusal is raised to the caller (4xx), or — for a `FailedS
 checkpoint name clash — reported through the future instead. Quota refusals (`QuotaExceeded`, 429) are the
 exception: they are raised before anything is logged, so the SDK's retry of the same seq id can still be
 accepted (`quotas` consumes the seq id only if the retries stop).
+
+The work is queued after the commit, so a process killed in between (a gateway SIGKILLed) leaves a logged
+request that is on no queue; its client's retry is a duplicate, and the duplicate queues it again: a retry
+of a row still `queued` re-checks the retry's own body and queues the work, a retry of a seq id refused
+at the edge queues the `CONSUMED` marker again. Delivery is at-least-once anyway and the scheduler drops a
+copy of a request it already has (or finished), so a retry of a request that was queued costs nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import Conflict, ControlError, Invalid, NotFound, QuotaExceeded, Submitted
-from services.control.context import ControlContext, not_found, seq_taken
+from services.control.context import ControlContext, TakenSeq, not_found, seq_taken
 from services.control.quotas import QuotaGate
 from services.control.registry import ServedModel
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
@@ -77,6 +83,8 @@ class OrderedCall:
 class _Decision:
     request_id: RequestId
     duplicate: bool = False
+    requeue: bool = False
+    """A duplicate whose first attempt may have died between commit and queueing: dispatch it again."""
     served: ServedModel | None = None
     prepared: Prepared | None = None
     refusal: ControlError | FailedSubmission | None = None
@@ -97,6 +105,8 @@ class OrderedSubmitter:
         if not decision.duplicate:
             self._ctx.accepted.add(decision.request_id, call.tenant.id, call.kind_name)
             self._dispatch(call, decision)
+        elif decision.requeue:
+            self._requeue(call, decision)
         if isinstance(decision.refusal, ControlError):
             raise decision.refusal
         return Submitted(decision.request_id, call.model_id)
@@ -128,7 +138,7 @@ class OrderedSubmitter:
             raise NotFound(not_found("model", call.model_id), field="model_id")
         existing = seq_taken(db, call.model_id, call.seq_id)
         if existing is not None:
-            return _duplicate(*existing, call)
+            return self._retry(db, run, existing, call)
         served = self._ctx.registry.for_run(run.base_model)
         quotas = None if call.kind_name == REJECTED_KIND else self._ctx.quotas
         if quotas is not None:
@@ -150,6 +160,20 @@ class OrderedSubmitter:
             error, category = _refusal_text(decision.refusal)
             mark_request_failed(db, tenant_id, row.id, error=error, category=category, now=self._ctx.clock())
         decision.request_id = row.id
+        return decision
+
+    def _retry(self, db: Session, run: RunFacts, existing: TakenSeq, call: OrderedCall) -> _Decision:
+        """A duplicate; marked for re-queueing when the first attempt may never have reached the queue."""
+        decision = _duplicate(existing.request_id, existing.kind, call)
+        if existing.status == "failed" and not existing.started:  # refused at the edge: the marker again
+            decision.served, decision.requeue = self._ctx.registry.for_run(run.base_model), True
+        elif existing.status == "queued" and existing.kind == call.kind_name:
+            served = self._ctx.registry.for_run(run.base_model)
+            try:
+                decision.prepared = call.prepare(db, run, served)
+            except (ControlError, FailedSubmission):
+                return decision  # the retry's body does not pass (any more): the logged request stands alone
+            decision.served, decision.requeue = served, True
         return decision
 
     @staticmethod
@@ -179,6 +203,18 @@ class OrderedSubmitter:
         assert prepared is not None
         ctx.enqueue(served, call.tenant, decision.request_id, call.model_id, prepared.kind, call.seq_id,
                     payload=prepared.payload, num_tokens=prepared.num_tokens)
+
+    def _requeue(self, call: OrderedCall, decision: _Decision) -> None:
+        """A retry's re-dispatch: the work (checked again from the retry's body), or the consumed marker. The
+        refusal's error is not published again: the future of a failed row is answered from the row."""
+        assert decision.served is not None
+        prepared = decision.prepared
+        if prepared is None:
+            self._ctx.enqueue(decision.served, call.tenant, decision.request_id, call.model_id,
+                              RequestKind.CONSUMED, call.seq_id)
+            return
+        self._ctx.enqueue(decision.served, call.tenant, decision.request_id, call.model_id, prepared.kind,
+                          call.seq_id, payload=prepared.payload, num_tokens=prepared.num_tokens)
 
 
 def _duplicate(request_id: str, logged_kind: str, call: OrderedCall) -> _Decision:

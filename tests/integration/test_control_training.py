@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from conftest import BASE, Harness
 
+from services.auth.tenants import Tenant
 from services.control.api import (
     CheckpointRef,
+    Done,
     Failed,
     Invalid,
     ModelCreated,
@@ -31,6 +33,7 @@ from services.domain.training import (
     ForwardBackwardWork,
     LoraSpec,
 )
+from services.scheduler.requests import QueuedRequest, RequestKind
 from worker.engine.engine import Engine, EngineConfig
 
 SPEC = LoraSpec(rank=4, seed=1)
@@ -45,6 +48,32 @@ def _datum(rng: np.random.Generator, n: int, vocab: int = 512) -> Datum:
 def _loss(result: object) -> float:
     assert isinstance(result, ForwardBackwardResult), result
     return result.metrics["loss:sum"]
+
+
+class DiedBeforeQueueing(Exception):
+    """Stands for the gateway process SIGKILLed after its commit and before the queue call."""
+
+
+def _dies_before_queueing(h: Harness, monkeypatch: pytest.MonkeyPatch, kind: RequestKind) -> list[RequestKind]:
+    """The first enqueue of `kind` never reaches the queue (its request is logged); returns the kinds queued."""
+    enqueue, queued, dead = h.queue.enqueue, [], []
+
+    def dying(base_model: str, request: QueuedRequest) -> str:
+        if request.kind is kind and not dead:
+            dead.append(request)
+            raise DiedBeforeQueueing(request.request_id)
+        queued.append(request.kind)
+        return enqueue(base_model, request)
+
+    monkeypatch.setattr(h.queue, "enqueue", dying)
+    return queued
+
+
+def _done_soon(h: Harness, tenant: Tenant, request_id: RequestId) -> object:
+    """The result of a request that must succeed, within 20 s (a lost request would stay pending)."""
+    state = h.result(tenant, request_id, timeout_s=20)
+    assert isinstance(state, Done), state
+    return state.result
 
 
 def test_seq_ids_run_in_order_and_duplicates_share_request_ids(
@@ -235,3 +264,73 @@ def test_the_legacy_in_place_load_takes_the_checkpoints_lora_config(harness: Har
     with pytest.raises(NotFound):  # another tenant's model is unknown to it, through the same path
         h.run(h.control.load(h.tenant("other"), path=ref.tinker_path, with_optimizer=True, model_id=b,
                              seq_id=2))
+
+
+# -- a process killed between logging a request and queueing it (found by `make chaos` seed 2) ---------------
+def test_a_request_logged_but_never_queued_runs_once_on_the_retry(
+    harness: Harness, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry of a submission whose row is still `queued` queues it again; a copy the scheduler already
+    has is dropped (the step is applied once), and a retry of a finished request queues nothing."""
+    h = harness
+    t = h.tenant("acme")
+    model = h.run(h.control.create_model(t, h.session(t), 0, BASE, SPEC, None)).model_id
+    queued = _dies_before_queueing(h, monkeypatch, RequestKind.OPTIM_STEP)
+    rng = np.random.default_rng(7)
+    train, probe = [_datum(rng, 10)], [_datum(rng, 6)]
+    fb = h.run(h.control.forward_backward(t, model, 1, ForwardBackwardWork(None, train)))
+    with pytest.raises(DiedBeforeQueueing):
+        h.run(h.control.optim_step(t, model, 2, HP))
+    # The SDK retries on the new gateway: the same seq id is the same request, and now it is queued.
+    opt = h.run(h.control.optim_step(t, model, 2, HP))
+    assert h.run(h.control.optim_step(t, model, 2, HP)).request_id == opt.request_id  # a second copy
+    assert isinstance(_done_soon(h, t, opt.request_id), OptimStepDone)
+    assert h.run(h.control.optim_step(t, model, 2, HP)).request_id == opt.request_id
+    assert queued.count(RequestKind.OPTIM_STEP) == 2  # the retries while queued; none once it was done
+    fwd = h.run(h.control.forward_backward(t, model, 3, ForwardBackwardWork(None, probe, forward_only=True)))
+
+    ref = Engine(tiny_model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
+    ref.create_adapter(AdapterId("x"), SPEC)
+    ref_fb = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), train)])[0]
+    ref.optim_step(AdapterId("x"), HP)
+    ref_fwd = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), probe, forward_only=True)])[0]
+    assert abs(_loss(h.done(t, fb.request_id)) - _loss(ref_fb)) <= 1e-5
+    assert abs(_loss(h.done(t, fwd.request_id)) - _loss(ref_fwd)) <= 1e-5  # exactly one optimizer step
+
+
+def test_a_model_created_but_never_queued_is_created_on_the_retry(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    _dies_before_queueing(h, monkeypatch, RequestKind.CREATE)
+    with pytest.raises(DiedBeforeQueueing):
+        h.run(h.control.create_model(t, s, 0, BASE, SPEC, None))
+    created = h.run(h.control.create_model(t, s, 0, BASE, SPEC, None))
+    assert _done_soon(h, t, created.request_id) == ModelCreated(created.model_id)
+    fb = h.run(h.control.forward_backward(t, created.model_id, 1,
+                                          ForwardBackwardWork(None, [_datum(np.random.default_rng(8), 5)])))
+    assert _loss(_done_soon(h, t, fb.request_id)) > 0
+
+
+def test_a_refusal_whose_marker_was_never_queued_unblocks_the_model_on_the_retry(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seq id refused at the edge is consumed by a marker on the queue; lost with the process, the retry
+    (refused again from the log) queues it, or the model's next requests would wait for that seq id forever."""
+    h = harness
+    t = h.tenant("acme")
+    model = h.run(h.control.create_model(t, h.session(t), 0, BASE, SPEC, None)).model_id
+    _dies_before_queueing(h, monkeypatch, RequestKind.CONSUMED)
+    bad = ForwardBackwardWork(None, [Datum(np.array([1, 2, 9999]), {"target_tokens": np.array([2, 3, 4])})])
+    with pytest.raises(DiedBeforeQueueing):
+        h.run(h.control.forward_backward(t, model, 1, bad))
+    retry = h.run(h.control.forward_backward(t, model, 1, bad))
+    refused = h.result(t, retry.request_id, timeout_s=20)
+    assert isinstance(refused, Failed) and "outside the vocabulary" in refused.error
+    good = ForwardBackwardWork(None, [_datum(np.random.default_rng(9), 5)])
+    fb = h.run(h.control.forward_backward(t, model, 2, good))
+    opt = h.run(h.control.optim_step(t, model, 3, HP))
+    assert _loss(_done_soon(h, t, fb.request_id)) > 0
+    assert isinstance(_done_soon(h, t, opt.request_id), OptimStepDone)
