@@ -13,6 +13,7 @@ Sampling is unordered; `UnorderedDedupe` only maps `(sampling_session_id, seq_id
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ class _Stream:
     """One model's sequencing state."""
 
     next_seq: int
+    opened: int = 0
+    """When it was opened among the sequencer's streams: `drain` releases models in this order."""
     early: list[tuple[int, QueuedRequest]] = field(default_factory=list)
     """Min-heap of arrivals ahead of `next_seq`; seq_ids are unique within it (dedupe runs first)."""
     skipped: set[int] = field(default_factory=set)
@@ -50,15 +53,22 @@ class Sequencer:
             raise ValueError(f"dedupe_window must be >= 1, got {dedupe_window}")
         self._window = dedupe_window
         self._streams: dict[ModelId, _Stream] = {}
+        # The few models with something to hand out, so that draining and counting early arrivals (each
+        # loop iteration, for every model ever opened) cost what is there, not the number of models.
+        self._releasing: set[ModelId] = set()
+        self._early: set[ModelId] = set()
+        self._opened = itertools.count()
 
     def open(self, model_id: ModelId, next_seq_id: int = 0) -> None:
         """Start (or restart after recovery) a model at `next_seq_id`. Unknown models start at 0."""
         if model_id not in self._streams:
-            self._streams[model_id] = _Stream(next_seq=next_seq_id)
+            self._streams[model_id] = _Stream(next_seq=next_seq_id, opened=next(self._opened))
 
     def forget(self, model_id: ModelId) -> list[QueuedRequest]:
         """Drop a model; returns its requests that were waiting (early or released but not taken)."""
         stream = self._streams.pop(model_id, None)
+        self._releasing.discard(model_id)
+        self._early.discard(model_id)
         if stream is None:
             return []
         return stream.released + [req for _, req in sorted(stream.early, key=lambda e: e[0])]
@@ -81,7 +91,7 @@ class Sequencer:
             )
         stream.ids[seq] = request.request_id
         heapq.heappush(stream.early, (seq, request))
-        self._advance(stream)
+        self._advance(request.model_id, stream)
         return request.request_id, True
 
     def mark_consumed(self, model_id: ModelId, seq_id: int, request_id: RequestId | None = None) -> bool:
@@ -98,7 +108,7 @@ class Sequencer:
         stream.skipped.add(seq_id)
         if request_id is not None:
             stream.ids[seq_id] = request_id
-        self._advance(stream)
+        self._advance(model_id, stream)
         return True
 
     def ready(self, model_id: ModelId) -> list[QueuedRequest]:
@@ -107,11 +117,12 @@ class Sequencer:
         if stream is None or not stream.released:
             return []
         taken, stream.released = stream.released, []
+        self._releasing.discard(model_id)
         return taken
 
     def drain(self) -> Iterator[QueuedRequest]:
         """Take every model's newly in-order requests (per model in seq order)."""
-        for model_id in list(self._streams):
+        for model_id in sorted(self._releasing, key=lambda m: self._streams[m].opened):
             yield from self.ready(model_id)
 
     def known(self, model_id: ModelId, seq_id: int) -> RequestId | None:
@@ -125,14 +136,14 @@ class Sequencer:
 
     def waiting(self) -> Iterator[QueuedRequest]:
         """Early arrivals held back by a missing seq_id (for queue-depth stats)."""
-        for stream in self._streams.values():
-            yield from (req for _, req in stream.early)
+        for model_id in list(self._early):
+            yield from (req for _, req in self._streams[model_id].early)
 
     def _stream(self, model_id: ModelId) -> _Stream:
         self.open(model_id)
         return self._streams[model_id]
 
-    def _advance(self, stream: _Stream) -> None:
+    def _advance(self, model_id: ModelId, stream: _Stream) -> None:
         """Release everything that is now contiguous with the model's position."""
         while True:
             if stream.early and stream.early[0][0] == stream.next_seq:
@@ -140,10 +151,16 @@ class Sequencer:
             elif stream.next_seq in stream.skipped:
                 stream.skipped.discard(stream.next_seq)
             else:
-                return
+                break
             # Every seq_id is passed exactly once, so this prunes the dedupe map without scanning it.
             stream.ids.pop(stream.next_seq - self._window, None)
             stream.next_seq += 1
+        if stream.released:
+            self._releasing.add(model_id)
+        if stream.early:
+            self._early.add(model_id)
+        else:
+            self._early.discard(model_id)
 
 
 class UnorderedDedupe:

@@ -24,11 +24,13 @@ costs time in proportion to its tokens (a CPU) passes shrink. `max_pass_seconds`
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.scheduler.ordering import UnorderedDedupe
 from services.scheduler.pacing import DEFAULT_PASS_LATENCY_FACTOR
-from services.scheduler.requests import ModelId, QueuedRequest, TenantId
+from services.scheduler.requests import ModelId, QueuedRequest, RequestId, TenantId
 
 
 @dataclass(frozen=True)
@@ -283,3 +285,43 @@ def pick_sample_batch(
             if taken[tenant] >= len(queues[tenant]):
                 tenants.remove(tenant)
     return chosen
+
+
+class SampleQueues:
+    """Queued sampling requests per tenant in arrival order, retries of one `(session, seq_id)` admitted once;
+    batches are taken by `pick_sample_batch`. Tenants whose queue ran empty are not kept."""
+
+    def __init__(self) -> None:
+        self._dedupe = UnorderedDedupe()
+        self._queues: dict[TenantId, deque[QueuedRequest]] = {}
+
+    def admit(self, request: QueuedRequest) -> tuple[RequestId, bool]:
+        """(request_id, is_new): a retry maps onto the request already admitted and is not queued again."""
+        request_id, is_new = self._dedupe.admit(request)
+        if is_new:
+            self._queues.setdefault(request.tenant_id, deque()).append(request)
+        return request_id, is_new
+
+    def tenants(self) -> set[TenantId]:
+        return set(self._queues)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)  # emptied queues are dropped
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def take(self, max_batch: int) -> list[QueuedRequest]:
+        """Pop the next batch (round robin over tenants, the one waiting longest first)."""
+        chosen = pick_sample_batch(self._queues, max_batch)
+        for request in chosen:
+            queue = self._queues[request.tenant_id]
+            popped = queue.popleft()
+            assert popped is request, "the picker takes each tenant's samples in queue order"
+            if not queue:
+                del self._queues[request.tenant_id]
+        return chosen

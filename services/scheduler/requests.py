@@ -14,6 +14,7 @@ bit-stable. Every item must come back through `Scheduler.complete(item, results)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, NamedTuple, NewType
@@ -186,6 +187,25 @@ class SampleBatchPlan:
 
 
 PlanItem = PassPlan | BarrierPlan | SampleBatchPlan
+
+
+def models_held(item: PlanItem) -> tuple[ModelId, ...]:
+    """Models whose ordering an item holds while in flight (sampling holds none)."""
+    if isinstance(item, PassPlan):
+        return item.model_ids
+    if isinstance(item, BarrierPlan):
+        return (item.request.model_id,)
+    return ()
+
+
+def pair_results(requests: Sequence[QueuedRequest], results: Sequence[object] | WorkError) -> list[Completion]:
+    """Each request with its result (one `WorkError` fails them all); missing results are server errors."""
+    if isinstance(results, WorkError):
+        return [Completion(r, results) for r in requests]
+    completions = [Completion(r, res) for r, res in zip(requests, results, strict=False)]
+    missing = WorkError(f"backend returned {len(results)} results for {len(requests)} requests", "server")
+    completions.extend(Completion(r, missing) for r in requests[len(results) :])
+    return completions
 
 
 @dataclass(frozen=True)

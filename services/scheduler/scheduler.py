@@ -35,9 +35,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from services.domain.training import WorkError
 from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, Holds
-from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError, UnorderedDedupe
+from services.scheduler.backlog import Outstanding, PassWork, queued_tokens
+from services.scheduler.ordering import DEFAULT_DEDUPE_WINDOW, Sequencer, StaleSeqIdError
 from services.scheduler.pacing import PassPacer
-from services.scheduler.policy import FairPacker, SchedulerLimits, pick_sample_batch
+from services.scheduler.policy import FairPacker, SampleQueues, SchedulerLimits
 from services.scheduler.requests import (
     Admission,
     BarrierPlan,
@@ -55,6 +56,8 @@ from services.scheduler.requests import (
     StepPlan,
     TenantId,
     error_completion,
+    models_held,
+    pair_results,
 )
 
 CONTENTION_WINDOW_S = 5.0
@@ -79,17 +82,16 @@ class Scheduler:
         self.limits = limits or SchedulerLimits()
         self._clock = clock
         self._sequencer = Sequencer(dedupe_window)
-        self._sample_dedupe = UnorderedDedupe()
         self._packer = FairPacker(self.limits.quantum_tokens, tenant_weights)
         self._pacer = PassPacer(self.limits.max_pass_seconds, self.limits.pass_latency_factor)
         self._planned_at: dict[PlanItemId, float] = {}
-        self._pass_work: dict[TenantId, tuple[int, float]] = {}
-        """Per tenant with pass work lately: (its queued pass tokens when last seen with some, when)."""
+        self._pass_work = PassWork(CONTENTION_WINDOW_S)
+        self._outstanding = Outstanding()
         self._last_completed_at = float("-inf")
         self._holds = Holds(self.limits.hold_factor, self.limits.max_hold_seconds,
                             ArrivalForecast(CONTENTION_WINDOW_S))
         self._ready: dict[ModelId, deque[QueuedRequest]] = {}
-        self._samples: dict[TenantId, deque[QueuedRequest]] = {}
+        self._samples = SampleQueues()
         self._rejected: list[Completion] = []
         self._in_flight: dict[PlanItemId, PlanItem] = {}
         self._busy: dict[ModelId, int] = {}
@@ -131,6 +133,7 @@ class Scheduler:
     def close_model(self, model_id: ModelId) -> list[Completion]:
         """Forget a model; its queued requests fail (in-flight items still complete normally)."""
         dropped = [*self._ready.pop(model_id, ()), *self._sequencer.forget(model_id)]
+        self._outstanding.remove(r.tenant_id for r in dropped)
         return [error_completion(r, f"model {model_id} was closed", "user") for r in dropped]
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -158,15 +161,16 @@ class Scheduler:
         if self._in_flight.get(item.item_id) is not item:
             return []
         del self._in_flight[item.item_id]
+        self._outstanding.remove(r.tenant_id for r in item.requests)
         self._time_item(item)
-        for model_id in _models_of(item):
+        for model_id in models_held(item):
             self._busy[model_id] -= 1
             if not self._busy[model_id]:
                 del self._busy[model_id]
         if isinstance(item, BarrierPlan):
             self._barrier_busy.discard(item.request.model_id)
         self._note_completed(item)
-        return _pair(item.requests, results)
+        return pair_results(item.requests, results)
 
     def has_queued(self) -> bool:
         """Whether in-order requests wait (runnable now or once in-flight items complete) or rejections do.
@@ -174,19 +178,19 @@ class Scheduler:
         Early arrivals waiting for a missing seq_id are not counted: only a new submission can free them.
         """
         self._take_in_order()
-        return any(self._ready.values()) or any(self._samples.values()) or bool(self._rejected)
+        return any(self._ready.values()) or bool(self._samples) or bool(self._rejected)
 
     def stats(self) -> SchedulerStats:
         self._take_in_order()  # count released requests where they will be planned from; no decision made
         waiting = list(self._sequencer.waiting())
-        queued = [*self._queued_ordered(), *waiting, *self._queued_samples()]
+        queued = [*itertools.chain.from_iterable(self._ready.values()), *waiting, *self._samples]
         oldest = min((r.enqueued_at for r in queued), default=None)
         totals = self._totals
         return SchedulerStats(
             queued_by_model=dict(Counter(r.model_id for r in queued if r.kind.is_ordered)),
             queued_by_tenant=dict(Counter(r.tenant_id for r in queued)),
             out_of_order_waiting=len(waiting),
-            samples_queued=sum(len(q) for q in self._samples.values()),
+            samples_queued=len(self._samples),
             in_flight_items=len(self._in_flight),
             oldest_wait_s=0.0 if oldest is None else max(0.0, self._clock() - oldest),
             passes_planned=totals["passes"],
@@ -215,6 +219,8 @@ class Scheduler:
             request_id, is_new = self._sequencer.submit(request)
         except StaleSeqIdError as exc:
             return self._reject(request, str(exc))
+        if is_new:
+            self._outstanding.add(request.tenant_id)
         return Admission(request_id, is_new)
 
     def _admit_consumed(self, request: QueuedRequest) -> Admission:
@@ -225,11 +231,10 @@ class Scheduler:
         return Admission(known or request.request_id, is_new=changed)
 
     def _admit_sample(self, request: QueuedRequest) -> Admission:
-        request_id, is_new = self._sample_dedupe.admit(request)
-        if not is_new:
-            return Admission(request_id, is_new=False)
-        self._samples.setdefault(request.tenant_id, deque()).append(request)
-        return Admission(request_id, is_new=True)
+        request_id, is_new = self._samples.admit(request)
+        if is_new:
+            self._outstanding.add(request.tenant_id)
+        return Admission(request_id, is_new)
 
     def _oversized(self, request: QueuedRequest) -> str | None:
         budget = self.limits.max_tokens_per_pass
@@ -264,15 +269,15 @@ class Scheduler:
         passes: list[PassPlan] = []
         for i in range(self.limits.max_passes_per_step):
             runs = [run for run in self._pass_runs() if run]
-            if i == 0:
-                self._note_pass_work(runs)  # what each tenant has queued, before this step takes any
+            if i == 0 and self._pacer.enabled:  # what each tenant has queued, before this step takes any
+                self._pass_work.note(queued_tokens(runs), self._clock())
             budget = self._pass_budget(runs)
             if i == 0:
                 # Room is judged against the hard limit: the paced budget grows by one share per arrival.
                 # Beside a heavy backlog pacing decides (a paced pass fits about one request: holding for
                 # the light tenant only makes it alternate with the heavy one), so no hold then.
-                alike = self._alike_tokens()
-                heavy = alike is not None and any(tokens > alike for tokens, _ in self._pass_work.values())
+                alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
+                heavy = alike is not None and self._pass_work.any_above(alike)
                 queued = sum(r.num_tokens for run in runs for r in run)
                 hold = self._hold(PASS, {run[0].tenant_id for run in runs},
                                   not heavy and queued < self.limits.max_tokens_per_pass)
@@ -286,40 +291,17 @@ class Scheduler:
             passes.append(plan)
         return tuple(passes), None
 
-    def _note_pass_work(self, runs: list[list[QueuedRequest]]) -> None:
-        """Remember each tenant's queued pass tokens; forget tenants without pass work for a while."""
-        if not self._pacer.enabled:
-            return
-        now = self._clock()
-        queued: Counter[TenantId] = Counter()
-        for run in runs:
-            queued[run[0].tenant_id] += sum(r.num_tokens for r in run)
-        for tenant, tokens in queued.items():
-            self._pass_work[tenant] = (tokens, now)
-        self._pass_work = {t: seen for t, seen in self._pass_work.items() if now - seen[1] <= CONTENTION_WINDOW_S}
-
     def _pass_budget(self, runs: list[list[QueuedRequest]]) -> int:
         """While tenants contend: the paced budget, set by the smallest one's work, but at least one pass for
         every queued tenant of about that size (within the latency factor). Pacing bounds a light tenant's
         wait beside a heavy backlog; equal tenants split over several passes would each wait longer, not
         less, and pay a pass's fixed cost each. Else the hard limit."""
         hard = self.limits.max_tokens_per_pass
-        alike = self._alike_tokens()
+        alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
         if alike is None:
             return hard
-        smallest = min(tokens for tokens, _ in self._pass_work.values())
-        queued: Counter[TenantId] = Counter()
-        for run in runs:
-            queued[run[0].tenant_id] += sum(r.num_tokens for r in run)
-        one_round = sum(tokens for tokens in queued.values() if tokens <= alike)
-        return max(self._pacer.budget(hard, smallest), min(hard, one_round))
-
-    def _alike_tokens(self) -> float | None:
-        """While tenants contend: the most queued pass work of a tenant about the size of the smallest one
-        (within the latency factor); more is a heavy backlog, what pacing is for. None: no contention."""
-        if len(self._pass_work) < 2:
-            return None
-        return max(1.0, self.limits.pass_latency_factor) * min(tokens for tokens, _ in self._pass_work.values())
+        one_round = sum(tokens for tokens in queued_tokens(runs).values() if tokens <= alike)
+        return max(self._pacer.budget(hard, self._pass_work.smallest()), min(hard, one_round))
 
     def _hold(self, lane: str, ready: set[TenantId], has_room: bool) -> float | None:
         """Seconds to hold `lane`'s next item for expected tenants, or None to dispatch it now."""
@@ -353,18 +335,14 @@ class Scheduler:
         return tuple(segments)
 
     def _plan_sample_batches(self) -> tuple[tuple[SampleBatchPlan, ...], float | None]:
-        queued = {t for t, q in self._samples.items() if q}
-        hold = self._hold(SAMPLE, queued, sum(len(q) for q in self._samples.values()) < self.limits.max_sample_batch)
+        hold = self._hold(SAMPLE, self._samples.tenants(), len(self._samples) < self.limits.max_sample_batch)
         if hold is not None:
             return (), hold
         batches: list[SampleBatchPlan] = []
         for _ in range(self.limits.max_sample_batches_per_step):
-            chosen = pick_sample_batch(self._samples, self.limits.max_sample_batch)
+            chosen = self._samples.take(self.limits.max_sample_batch)
             if not chosen:
                 break
-            for request in chosen:
-                popped = self._samples[request.tenant_id].popleft()
-                assert popped is request, "the picker takes each tenant's samples in queue order"
             batch = SampleBatchPlan(self._new_item_id(), tuple(chosen))
             self._track(batch)
             batches.append(batch)
@@ -373,7 +351,6 @@ class Scheduler:
     def _drop_empty_queues(self) -> None:
         """Idle models and tenants should cost nothing per step."""
         self._ready = {m: q for m, q in self._ready.items() if q}
-        self._samples = {t: q for t, q in self._samples.items() if q}
 
     def _time_item(self, item: PlanItem) -> None:
         """Feed a finished pass's duration to the pacer (items of one step run one after another), and
@@ -388,14 +365,12 @@ class Scheduler:
         self._last_completed_at = now
 
     def _note_completed(self, item: PlanItem) -> None:
-        """Tell the forecast whose requests completed, and which of those tenants now wait on their client."""
+        """Tell the forecast whose requests completed, and which of those tenants now wait on their client
+        (nothing of theirs left queued, early or in flight: counted as it comes and goes, not scanned)."""
         now = self._clock()
-        busy = {r.tenant_id for r in itertools.chain(self._queued_ordered(), self._sequencer.waiting(),
-                                                     self._queued_samples())}
-        busy |= {r.tenant_id for i in self._in_flight.values() for r in i.requests}
         for request in item.requests:
             self._holds.forecast.completed(request.tenant_id, request.kind, now,
-                                           idle=request.tenant_id not in busy)
+                                           idle=not self._outstanding.has(request.tenant_id))
 
     def _new_item_id(self) -> PlanItemId:
         return PlanItemId(next(self._item_ids))
@@ -404,7 +379,7 @@ class Scheduler:
         """Mark an item in flight right away, so later phases of the same step see its models busy."""
         self._in_flight[item.item_id] = item
         self._planned_at[item.item_id] = self._clock()
-        for model_id in _models_of(item):
+        for model_id in models_held(item):
             self._busy[model_id] = self._busy.get(model_id, 0) + 1
         if isinstance(item, BarrierPlan):
             self._barrier_busy.add(item.request.model_id)
@@ -419,29 +394,3 @@ class Scheduler:
         self._totals["tokens"] += plan.num_tokens
         self._totals["tenants"] += len(plan.tenants)
         self._totals["last_tenants"] = len(plan.tenants)
-
-    def _queued_ordered(self) -> Iterator[QueuedRequest]:
-        for queue in self._ready.values():
-            yield from queue
-
-    def _queued_samples(self) -> Iterator[QueuedRequest]:
-        for queue in self._samples.values():
-            yield from queue
-
-
-def _models_of(item: PlanItem) -> tuple[ModelId, ...]:
-    """Models whose ordering an item holds (sampling holds none)."""
-    if isinstance(item, PassPlan):
-        return item.model_ids
-    if isinstance(item, BarrierPlan):
-        return (item.request.model_id,)
-    return ()
-
-
-def _pair(requests: Sequence[QueuedRequest], results: Sequence[object] | WorkError) -> list[Completion]:
-    if isinstance(results, WorkError):
-        return [Completion(r, results) for r in requests]
-    completions = [Completion(r, res) for r, res in zip(requests, results, strict=False)]
-    missing = WorkError(f"backend returned {len(results)} results for {len(requests)} requests", "server")
-    completions.extend(Completion(r, missing) for r in requests[len(results) :])
-    return completions

@@ -161,3 +161,32 @@ def test_unordered_dedupe_by_session_and_seq_id() -> None:
     assert dedupe.admit(sample("s1", None, "e")) == ("e", True)
     dedupe.admit(sample("s3", 1, "f"))  # evicts the oldest key (s1, 1)
     assert dedupe.admit(sample("s1", 1, "g")) == ("g", True)
+
+
+def test_drain_and_waiting_visit_only_models_with_something_to_hand_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop drains (and counts early arrivals) every iteration; with hundreds of idle models that must
+    # not cost a visit to each of them.
+    sequencer = Sequencer()
+    models = [ModelId(f"m{i}") for i in range(500)]
+    for model in models:
+        sequencer.submit(req(0, model=model))
+    assert len(list(sequencer.drain())) == 500  # every model now idle
+    visited: list[ModelId] = []
+    original = Sequencer.ready
+
+    def counting_ready(self: Sequencer, model_id: ModelId) -> list[QueuedRequest]:
+        visited.append(model_id)
+        return original(self, model_id)
+
+    monkeypatch.setattr(Sequencer, "ready", counting_ready)
+    sequencer.submit(req(1, model=models[7]))
+    sequencer.submit(req(1, model=models[3]))
+    sequencer.submit(req(2, model=models[5]))  # early: seq 1 missing
+    assert [(r.model_id, r.seq_id) for r in sequencer.drain()] == [(models[3], 1), (models[7], 1)]  # open order
+    assert sorted(visited) == [models[3], models[7]]
+    assert [(r.model_id, r.seq_id) for r in sequencer.waiting()] == [(models[5], 2)]
+    sequencer.submit(req(1, model=models[5]))
+    assert list(sequencer.waiting()) == [] and seqs(list(sequencer.drain())) == [1, 2]
+    sequencer.submit(req(4, model=models[9]))
+    sequencer.forget(models[9])
+    assert list(sequencer.waiting()) == [] and list(sequencer.drain()) == []
