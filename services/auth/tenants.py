@@ -20,8 +20,7 @@ from services.db.tenants import (
     TenantQuotas,
     add_api_key,
     create_tenant,
-    find_api_key_by_hash,
-    get_tenant,
+    find_api_key_with_tenant,
     tenant_quotas,
     touch_api_key,
 )
@@ -106,13 +105,13 @@ def authenticate(
     if not looks_like_api_key(key):
         return None
     digest = hash_api_key(key, pepper)
-    key_row = find_api_key_by_hash(db, digest)
+    found = find_api_key_with_tenant(db, digest)
+    if found is None:
+        return None
+    key_row, tenant_row = found
     # The lookup is by exact hash already; the constant-time check is defence in depth against an index
     # or collation that matches more loosely than byte equality.
-    if key_row is None or not hashes_equal(key_row.key_hash, digest) or key_row.revoked_at is not None:
-        return None
-    tenant_row = get_tenant(db, TenantId(key_row.tenant_id))
-    if tenant_row is None or tenant_row.disabled:
+    if not hashes_equal(key_row.key_hash, digest) or key_row.revoked_at is not None or tenant_row.disabled:
         return None
     if record_use and _use_is_stale(key_row.last_used_at, now := now or utcnow()):
         touch_api_key(db, ApiKeyId(key_row.id), now=now, min_interval_s=TOUCH_INTERVAL_S)

@@ -115,6 +115,15 @@ def find_api_key_by_hash(db: Session, key_hash: str) -> ApiKeyRow | None:
     return db.scalars(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash)).one_or_none()
 
 
+def find_api_key_with_tenant(db: Session, key_hash: str) -> tuple[ApiKeyRow, TenantRow] | None:
+    """The key row with this hash (revoked or not) and its tenant's row, in one statement: every request of
+    a tenant whose gateway cache entry expired looks both up (at 512 tenants, most requests), and a second
+    round trip through the ORM was a third of that lookup's cost."""
+    row = db.execute(select(ApiKeyRow, TenantRow).join(TenantRow, TenantRow.id == ApiKeyRow.tenant_id)
+                     .where(ApiKeyRow.key_hash == key_hash)).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
 def list_api_keys(db: Session, tenant_id: TenantId, *, include_revoked: bool = False) -> list[ApiKeyRow]:
     stmt = select(ApiKeyRow).where(ApiKeyRow.tenant_id == tenant_id)
     if not include_revoked:

@@ -131,6 +131,20 @@ def test_authenticating_a_recently_used_key_writes_nothing(db: Session) -> None:
     assert tenants.list_api_keys(db, tenant.id)[0].last_used_at == T0
 
 
+def test_authenticating_a_key_is_one_statement(db: Session) -> None:
+    # At 512 tenants most requests miss the gateway's 5 s auth cache: key and tenant come in one SELECT.
+    tenant, issued = create_tenant_with_key(db, "acme")
+    authenticate(db, issued.key, now=T0)
+    db.expire_all()
+    statements = _recording(db)
+    try:
+        assert authenticate(db, issued.key, now=T0 + timedelta(seconds=1)) == tenant
+        assert authenticate(db, "tml-" + "x" * 43, now=T0) is None
+    finally:
+        event.remove(db.get_bind(), "before_cursor_execute", statements.record)
+    assert len(statements) == 2  # one per lookup, the unknown key's included
+
+
 def test_revoke_by_prefix(db: Session) -> None:
     tenant_id = _tenant(db)
     issued = issue_api_key(db, tenant_id)
