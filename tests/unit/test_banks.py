@@ -67,6 +67,23 @@ def test_growing_keeps_every_adapter_and_its_updates() -> None:
     assert banks.rows_in_use() == 9
 
 
+def test_row_views_are_made_once_per_storage() -> None:
+    # Every placement (each restore of a spilled adapter) views the adapter's rows of all four kinds:
+    # made anew each time, that was a fifth of a swap. They are made once per bank storage instead.
+    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(2)]
+    for s in states:
+        banks.place(s)
+    placement = states[0].placement
+    assert placement is not None
+    bank, first = placement.bank, placement.bank.rows("", 0)
+    assert bank.rows("", 0) is first and bank.rows("grad", 1) is bank.rows("grad", 1)
+    banks.place(_state("a2", 2))  # a third row: the bank grows into new storage
+    again = dict(bank.rows("", 0))
+    assert again is not dict(first)
+    assert all(again[k].data_ptr() == p.data_ptr() for k, p in states[0].params.items())
+    assert all(again[k].data_ptr() != v.data_ptr() for k, v in first)
+
+
 def _training_state(s: AdapterState, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     parts = {"grad": grads, "m": s.optimizer.exp_avg, "v": s.optimizer.exp_avg_sq}
     return {f"{kind}:{k}": t.clone() for kind, d in parts.items() for k, t in d.items()}

@@ -9,6 +9,7 @@ that gets no requests does not change at all. The host-memory spill path (GPU wo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -188,16 +189,46 @@ def test_a_disk_spill_is_raw_bytes_and_leaves_no_tensors_in_memory(tmp_path: Pat
     want = _raw(state)
     slots.put(state)
     slots.put(_state("s1", 2))  # spills s0
-    (path,) = tmp_path.glob("s0-*.spill")
-    # One file of numbers only (not a pickle or a torch zip): every factor, gradient and moment of s0,
-    # which now holds none of them in memory.
+    # One anonymous file for every spilled adapter: nothing in the directory to find or to plant a file as.
+    assert list(tmp_path.iterdir()) == []
+    record = slots._on_disk[AdapterId("s0")]
     floats = sum(t.numel() for t in want.values())
-    assert path.stat().st_size == -(-floats * 4 // 64) * 64
-    assert not path.read_bytes().startswith((b"PK", b"\x80"))
+    assert record.size == -(-floats * 4 // 64) * 64
+    store_file = slots._store._file
+    assert store_file is not None
+    data = os.pread(store_file.fileno(), record.size, record.offset)
+    # Numbers only (not a pickle or a torch zip): every factor, gradient and moment of s0, which now holds
+    # none of them in memory.
+    assert len(data) == record.size and not data.startswith((b"PK", b"\x80"))
     assert state.params == {} and state.optimizer.exp_avg == {} and state.optimizer.exp_avg_sq == {}
     assert not state._weights and state._grad_views is None
-    _assert_same(_raw(slots.get(AdapterId("s0"))), want)
-    assert not path.exists()
+    _assert_same(_raw(slots.get(AdapterId("s0"))), want)  # and s1 spills, into the slot s0 left
+    assert slots._on_disk[AdapterId("s1")].offset == record.offset
+
+
+def test_spills_and_restores_open_no_files_and_build_one_layout_per_kind(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # With tenants far beyond the slots every step spills and restores: a file created, opened and deleted
+    # for each of those, and a layout built and hashed per spill, were most of a swap's cost at 512 tenants.
+    slots = AdapterSlots(torch.device("cpu"), max_resident=2, spill_dir=tmp_path)
+    states = {AdapterId(f"s{i}"): _state(f"s{i}", i + 1) for i in range(6)}
+    want = {aid: _raw(state) for aid, state in states.items()}
+    for state in states.values():
+        slots.put(state)
+    opened: list[object] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: object, **kwargs: object) -> object:
+        opened.append(self)
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    for _ in range(3):
+        for aid in states:
+            _assert_same(_raw(slots.get(aid)), want[aid])
+    assert slots.spills >= 18 and slots.restores >= 18
+    assert opened == [] and list(tmp_path.iterdir()) == []
+    assert slots._store.layouts_built == 1  # every adapter here is of one kind
 
 
 def test_a_banked_adapter_spills_with_its_pending_gradient(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ stop strings / checkpoint names, the Redis trust check and version-bound downloa
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -217,13 +218,22 @@ def test_a_planted_spill_file_does_not_run_code(tmp_path: Path) -> None:
     slots._spill_to_disk = True
     slots.put(_state("victim", 1))
     slots.put(_state("other", 2))  # spills `victim` to disk
-    (spilled,) = list(tmp_path.glob("victim-*.spill"))
+    # Spilled adapters live in one anonymous file: the spill directory has no name to plant a file under.
+    assert list(tmp_path.iterdir()) == []
+    store_file = slots._store._file
+    assert store_file is not None
+    # Someone who can write the file itself (through the open descriptor) gets numbers read, never code
+    # run: nothing in it is ever unpickled ...
     target = tmp_path / "pwned"
-    torch.save({"state": _Planted(target)}, spilled)  # someone with write access to the spill directory
-    # Spill files are raw tensor bytes whose layout stays in memory: nothing in one is ever unpickled,
-    # and a file of another size than the one written is refused.
+    planted = io.BytesIO()
+    torch.save({"state": _Planted(target)}, planted)
+    os.pwrite(store_file.fileno(), planted.getvalue(), 0)
+    victim = slots.get(AdapterId("victim"))  # spills `other`
+    assert not target.exists() and all(p.dtype == torch.float32 for p in victim.params.values())
+    # ... and bytes that cannot be read back whole (a truncated file) are refused.
+    os.ftruncate(store_file.fileno(), 0)
     with pytest.raises(SpillFileCorrupt):
-        slots.get(AdapterId("victim"))
+        slots.get(AdapterId("other"))
     assert not target.exists()
 
 

@@ -68,6 +68,9 @@ class ClassBank:
         self.layers = {name: LayerBank(*(self._empty(shape) for _ in KINDS for shape in (a, b)))
                        for name, (a, b) in shapes.items()}
         self._owners: list[AdapterState | None] = [None] * _INITIAL_ROWS
+        self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
+        """`rows()` per (kind, slot), made once per storage: every placement of an adapter (each restore of a
+        spilled one) views its four kinds of rows, ~120 views, a fifth of a swap when built per call."""
 
     def _empty(self, shape: tuple[int, ...], rows: int = _INITIAL_ROWS) -> torch.Tensor:
         return torch.zeros((rows, *shape), device=self._device, dtype=self._dtype)
@@ -77,8 +80,13 @@ class ClassBank:
         return sum(owner is not None for owner in self._owners)
 
     def rows(self, kind: str, slot: int) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, row view) of `kind` for every factor of the adapter in `slot`."""
-        return [(f"{name}.lora_{f}", layer.rows(kind, f)[slot]) for name, layer in self.layers.items() for f in "AB"]
+        """(parameter name, row view) of `kind` for every factor of the adapter in `slot`. Shared, made once
+        per storage: callers read the list and may hand the views out, never change either."""
+        views = self._views.get((kind, slot))
+        if views is None:
+            views = self._views[(kind, slot)] = [(f"{name}.lora_{f}", layer.rows(kind, f)[slot])
+                                                 for name, layer in self.layers.items() for f in "AB"]
+        return views
 
     def runs(self, kind: str, start: int, stop: int) -> list[torch.Tensor]:
         """Every layer's `kind` stacks cut to rows [start, stop): several adapters' tensors as one each."""
@@ -138,6 +146,7 @@ class ClassBank:
 
     def _grow(self, rows: int) -> None:
         used = len(self._owners)
+        self._views.clear()  # views of the storage being replaced
         with torch.no_grad():
             for bank in self.layers.values():
                 for f in fields(bank):
