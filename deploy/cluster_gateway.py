@@ -34,6 +34,7 @@ from deploy.embedded import (
     install_key_redaction,
     sweeper_thread,
 )
+from deploy.gc_tuning import tune_collector
 from deploy.settings import ClusterSettings
 from services.auth.invalidation import RedisAuthInvalidations
 from services.control.api import RuntimeStats
@@ -149,6 +150,7 @@ def serve_cluster_gateway(settings: ClusterSettings) -> None:
     logging.getLogger().setLevel(settings.log_level.upper())
     gateway = build_cluster_gateway(settings)
     gateway.service.start()  # no scheduler loops here: the sweeper
+    tune_collector()  # after everything startup builds: deploy/gc_tuning.py
     try:
         log.info("cluster gateway serving on http://%s:%d", settings.host, settings.port)
         uvicorn.run(gateway.app, host=settings.host, port=settings.port, log_config=None,

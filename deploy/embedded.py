@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from deploy.admin import bootstrap_admin
+from deploy.gc_tuning import tune_collector
 from deploy.metrics_wiring import engine_replicas
 from deploy.settings import BaseModelSpec, ServiceSettings
 from deploy.storage_wiring import checkpoint_store, staged_backend
@@ -229,6 +230,7 @@ def serve(settings: ServiceSettings) -> None:
     service = build_embedded(settings)
     app = build_gateway_app(settings, service)
     service.start()
+    tune_collector()  # after everything startup builds: deploy/gc_tuning.py
     try:
         log.info("serving %s on http://%s:%d", ", ".join(service.engines), settings.host, settings.port)
         # log_config=None: uvicorn's loggers propagate to ours, so their records are redacted too.
