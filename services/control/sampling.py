@@ -97,10 +97,11 @@ class SamplingOps:
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
             tokens = sample_tokens(work)
-            request_id, is_new = await self._ctx.tx(
+            request_id, is_new, requeue = await self._ctx.tx(
                 lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens, work.record_stability_info))
             if is_new:
                 self._ctx.accepted.add(request_id, tenant.id, "sample")
+            if is_new or requeue:
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))
                 self._ctx.sample_submissions.ring(sampler_id)
@@ -134,11 +135,13 @@ class SamplingOps:
         return row
 
     def _log_tx(self, db: Session, tenant: Tenant, sampler_id: SamplingSessionId,
-                seq_id: int | None, tokens: int, record_stability: bool = False) -> tuple[RequestId, bool]:
+                seq_id: int | None, tokens: int, record_stability: bool = False) -> tuple[RequestId, bool, bool]:
+        """(request id, is new, queue it again): a retry of a row still `queued` is queued again, because the
+        process that logged it may have died before queueing it (the scheduler drops a copy it already has)."""
         if seq_id is not None:
             existing = sample_request_for_seq(db, sampler_id, seq_id)
             if existing is not None:
-                return existing.id, False
+                return RequestId(existing.id), False, existing.status == "queued"
         # Quotas only for new requests; a 429 rolls back, so the SDK's retry (same seq_id) starts afresh.
         self._ctx.quotas.check_concurrency(db, tenant)
         row = record_request(db, TenantId(tenant.id), "sample", sampling_session_id=sampler_id, seq_id=seq_id,
@@ -146,7 +149,7 @@ class SamplingOps:
         if record_stability:
             mark_stability_recorded(db, row.id)  # stable_reinforce may read this sample's logprobs
         self._ctx.quotas.charge_tokens(tenant, tokens)
-        return row.id, True
+        return row.id, True, False
 
     async def _bind_checkpoint(self, tenant: Tenant, session_id: SessionId, model_path: str,
                                base_model: str | None) -> SamplerBinding:

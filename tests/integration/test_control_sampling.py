@@ -10,10 +10,11 @@ import pytest
 from conftest import BASE, Harness
 
 from services.auth.tenants import Tenant
-from services.control.api import CheckpointRef, Failed, Invalid, NotFound, SamplerRef, SaveOptions
+from services.control.api import CheckpointRef, Done, Failed, Invalid, NotFound, SamplerRef, SaveOptions
 from services.db.ids import ModelId, SamplingSessionId, SessionId
 from services.domain.sampling import SampleResult, SampleWork, SamplingParams
 from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec
+from services.scheduler.requests import QueuedRequest, RequestKind
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, stop=())
 PROMPT = np.array([5, 17, 42, 7])
@@ -154,3 +155,37 @@ def test_an_idle_batched_poll_wakes_on_a_sample_submitted_here(harness: Harness,
 
     reported, request_id = h.run(asyncio.wait_for(scenario(), 40.0))
     assert reported == [request_id]
+
+
+def test_a_sample_logged_but_never_queued_runs_on_the_retry(harness: Harness,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed between logging a sample and queueing it (as `make chaos` found for training
+    requests): the retry of the same seq id, its row still `queued`, queues it again; the answer is the
+    one request's, and a copy the scheduler already has is dropped."""
+    h = harness
+    t = h.tenant("acme")
+    s = h.session(t)
+    sampler = h.run(h.control.create_sampling_session(t, s, 0, model_path=None, base_model=BASE))
+    enqueue, queued, dead = h.queue.enqueue, [], []
+
+    def dying(base_model: str, request: QueuedRequest) -> str:
+        if request.kind is RequestKind.SAMPLE and not dead:
+            dead.append(request)
+            raise RuntimeError("killed before queueing")
+        queued.append(request.request_id)
+        return enqueue(base_model, request)
+
+    monkeypatch.setattr(h.queue, "enqueue", dying)
+    work = SampleWork(None, PROMPT, params=GREEDY)
+    with pytest.raises(RuntimeError):
+        h.run(h.control.sample(t, sampler, 3, work))
+    retry = h.run(h.control.sample(t, sampler, 3, work))
+    assert retry.request_id == dead[0].request_id and queued == [retry.request_id]
+    # A second copy, queued again only while the first is still queued (the loop may have run it already).
+    assert h.run(h.control.sample(t, sampler, 3, work)).request_id == retry.request_id
+    copies = len(queued)
+    assert queued == [retry.request_id] * copies and copies in (1, 2)
+    result = h.result(t, retry.request_id, timeout_s=20)
+    assert isinstance(result, Done) and isinstance(result.result, SampleResult), result
+    assert h.run(h.control.sample(t, sampler, 3, work)).request_id == retry.request_id
+    assert len(queued) == copies  # done: not queued again

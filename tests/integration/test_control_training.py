@@ -283,10 +283,14 @@ def test_a_request_logged_but_never_queued_runs_once_on_the_retry(
         h.run(h.control.optim_step(t, model, 2, HP))
     # The SDK retries on the new gateway: the same seq id is the same request, and now it is queued.
     opt = h.run(h.control.optim_step(t, model, 2, HP))
-    assert h.run(h.control.optim_step(t, model, 2, HP)).request_id == opt.request_id  # a second copy
+    assert queued.count(RequestKind.OPTIM_STEP) == 1
+    # A second copy, queued again only if the first is still queued (the loop may have run it already).
+    assert h.run(h.control.optim_step(t, model, 2, HP)).request_id == opt.request_id
+    copies = queued.count(RequestKind.OPTIM_STEP)
+    assert copies in (1, 2)
     assert isinstance(_done_soon(h, t, opt.request_id), OptimStepDone)
     assert h.run(h.control.optim_step(t, model, 2, HP)).request_id == opt.request_id
-    assert queued.count(RequestKind.OPTIM_STEP) == 2  # the retries while queued; none once it was done
+    assert queued.count(RequestKind.OPTIM_STEP) == copies  # none once it was done
     fwd = h.run(h.control.forward_backward(t, model, 3, ForwardBackwardWork(None, probe, forward_only=True)))
 
     ref = Engine(tiny_model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
