@@ -160,8 +160,11 @@ def loop_config(settings: ServiceSettings) -> LoopConfig:
 
 def _scheduler(settings: ServiceSettings) -> Scheduler:
     max_pass_s = settings.max_pass_ms / 1000 if settings.max_pass_ms is not None else None
+    # A pass's adapters are pinned on the device while it runs, so a pass holding more of them than the
+    # resident slots would grow the worker's banks past what the operator sized (and never shrink them).
+    adapters = min(settings.max_adapters_per_pass, settings.max_resident_adapters)
     return Scheduler(SchedulerLimits(max_tokens_per_pass=settings.max_tokens_per_step,
-                                     max_adapters_per_pass=settings.max_adapters_per_pass,
+                                     max_adapters_per_pass=adapters,
                                      max_pass_seconds=max_pass_s,
                                      pass_latency_factor=settings.pass_latency_factor,
                                      hold_factor=settings.hold_factor,

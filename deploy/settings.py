@@ -76,7 +76,8 @@ class ServiceSettings(BaseSettings):
     max_tokens_per_step: int = Field(32768, ge=1, description=(
         "Tokens the scheduler packs into one step (several micro-batches); a forward_backward request "
         "larger than this is refused."))
-    max_adapters_per_pass: int = Field(64, ge=1, description="Distinct adapters (models) in one packed step.")
+    max_adapters_per_pass: int = Field(64, ge=1, description=(
+        "Distinct adapters (models) in one packed step; never more than max_resident_adapters."))
     max_resident_adapters: int = Field(64, ge=1, description=(
         "Adapters kept on the device per base model; idle ones beyond this are spilled to host memory."))
     max_lora_rank: int = Field(256, ge=1, description="Largest LoRA rank a tenant may ask for.")

@@ -125,3 +125,14 @@ def test_first_start_prints_the_admin_key_once(tmp_path: Path) -> None:
             assert admin is not None and admin.is_admin and admin.name == "admin"
     finally:
         db.dispose()
+
+
+def test_a_pass_never_holds_more_adapters_than_the_resident_slots() -> None:
+    """A pass pins its adapters on the device: with more of them than `max_resident_adapters` the worker's
+    banks would grow past the slots the operator sized (bench/load.py saw 78 rows for 16 slots)."""
+    from deploy.embedded import _scheduler
+
+    few_slots = ServiceSettings(max_resident_adapters=16, max_adapters_per_pass=64)
+    assert _scheduler(few_slots).limits.max_adapters_per_pass == 16
+    few_per_pass = ServiceSettings(max_resident_adapters=64, max_adapters_per_pass=8)
+    assert _scheduler(few_per_pass).limits.max_adapters_per_pass == 8
