@@ -76,6 +76,15 @@ def _done_soon(h: Harness, tenant: Tenant, request_id: RequestId) -> object:
     return state.result
 
 
+def _one_step_reference(model_dir: Path, train: list[Datum], probe: list[Datum]) -> tuple[object, object]:
+    """`train`'s forward_backward, one optimizer step, then `probe`'s forward: on a plain engine, alone."""
+    ref = Engine(model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
+    ref.create_adapter(AdapterId("x"), SPEC)
+    ref_fb = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), train)])[0]
+    ref.optim_step(AdapterId("x"), HP)
+    return ref_fb, ref.forward_backward([ForwardBackwardWork(AdapterId("x"), probe, forward_only=True)])[0]
+
+
 def test_seq_ids_run_in_order_and_duplicates_share_request_ids(
     harness: Harness, tiny_model_dir: Path
 ) -> None:
@@ -101,11 +110,7 @@ def test_seq_ids_run_in_order_and_duplicates_share_request_ids(
     )
     assert len({fwd.request_id, opt.request_id, fb.request_id}) == 3
 
-    ref = Engine(tiny_model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
-    ref.create_adapter(AdapterId("x"), SPEC)
-    ref_fb = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), train)])[0]
-    ref.optim_step(AdapterId("x"), HP)
-    ref_fwd = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), probe, forward_only=True)])[0]
+    ref_fb, ref_fwd = _one_step_reference(tiny_model_dir, train, probe)
 
     assert abs(_loss(h.done(t, fb.request_id)) - _loss(ref_fb)) <= 1e-5
     assert isinstance(h.done(t, opt.request_id), OptimStepDone)
@@ -293,11 +298,7 @@ def test_a_request_logged_but_never_queued_runs_once_on_the_retry(
     assert queued.count(RequestKind.OPTIM_STEP) == copies  # none once it was done
     fwd = h.run(h.control.forward_backward(t, model, 3, ForwardBackwardWork(None, probe, forward_only=True)))
 
-    ref = Engine(tiny_model_dir, name=BASE, config=EngineConfig(device="cpu", dtype="float32"))
-    ref.create_adapter(AdapterId("x"), SPEC)
-    ref_fb = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), train)])[0]
-    ref.optim_step(AdapterId("x"), HP)
-    ref_fwd = ref.forward_backward([ForwardBackwardWork(AdapterId("x"), probe, forward_only=True)])[0]
+    ref_fb, ref_fwd = _one_step_reference(tiny_model_dir, train, probe)
     assert abs(_loss(h.done(t, fb.request_id)) - _loss(ref_fb)) <= 1e-5
     assert abs(_loss(h.done(t, fwd.request_id)) - _loss(ref_fwd)) <= 1e-5  # exactly one optimizer step
 
