@@ -66,7 +66,7 @@ class UrlSigner:
     def verify(self, token: str) -> str:
         """The path a valid, unexpired token names; raises `InvalidToken` otherwise."""
         encoded, sep, mac = token.partition(".")
-        if not sep or not encoded or not mac:
+        if not sep or not encoded or not mac or not token.isascii():  # base64url is ASCII; the MAC needs it
             raise InvalidToken("malformed download token")
         # Constant-time comparison: a timing oracle must not reveal how much of a forged MAC matched.
         if not hmac.compare_digest(mac.encode("ascii", "replace"), self._mac(encoded).encode("ascii")):

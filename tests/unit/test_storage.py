@@ -87,7 +87,9 @@ def test_forged_and_malformed_tokens_are_refused() -> None:
     token = signer.sign("a/file", NOW + timedelta(hours=1))
     payload, mac = token.split(".")
     other = UrlSigner(b"o" * 32, clock=lambda: NOW.timestamp()).sign("b/file", NOW + timedelta(hours=1))
-    for bad in (f"{other.split('.')[0]}.{mac}", f"{payload}.{mac[:-2]}xx", "nodot", ".", "a.b", token + "x"):
+    # Non-ASCII too (make fuzz sent `%C2%80.0`: the MAC of a non-ASCII payload raised, a 500).
+    for bad in (f"{other.split('.')[0]}.{mac}", f"{payload}.{mac[:-2]}xx", "nodot", ".", "a.b", token + "x",
+                "\x80.0", f"{payload}\u00e9.{mac}", f"{payload}.{mac[:-1]}\u00e9"):
         with pytest.raises(InvalidToken):
             signer.verify(bad)
     with pytest.raises(ValueError):
