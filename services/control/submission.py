@@ -106,7 +106,9 @@ class OrderedSubmitter:
             self._ctx.accepted.add(decision.request_id, call.tenant.id, call.kind_name)
             self._dispatch(call, decision)
         elif decision.requeue:
-            self._requeue(call, decision)
+            # The work again (checked from the retry's body), or the marker again; a refusal's error is not
+            # published again: the future of a failed row is answered from the row.
+            self._enqueue(call, decision)
         if isinstance(decision.refusal, ControlError):
             raise decision.refusal
         return Submitted(decision.request_id, call.model_id)
@@ -192,30 +194,20 @@ class OrderedSubmitter:
 
     def _dispatch(self, call: OrderedCall, decision: _Decision) -> None:
         """After commit: queue the work, or consume the seq id and publish the error."""
-        assert decision.served is not None
-        ctx, served = self._ctx, decision.served
+        self._enqueue(call, decision)
         if decision.refusal is not None:
-            ctx.enqueue(served, call.tenant, decision.request_id, call.model_id, RequestKind.CONSUMED,
-                        call.seq_id)
-            ctx.fail_now(decision.request_id, *_refusal_text(decision.refusal))
-            return
-        prepared = decision.prepared
-        assert prepared is not None
-        ctx.enqueue(served, call.tenant, decision.request_id, call.model_id, prepared.kind, call.seq_id,
-                    payload=prepared.payload, num_tokens=prepared.num_tokens)
+            self._ctx.fail_now(decision.request_id, *_refusal_text(decision.refusal))
 
-    def _requeue(self, call: OrderedCall, decision: _Decision) -> None:
-        """A retry's re-dispatch: the work (checked again from the retry's body), or the consumed marker. The
-        refusal's error is not published again: the future of a failed row is answered from the row."""
+    def _enqueue(self, call: OrderedCall, decision: _Decision) -> None:
+        """The prepared work on the model's queue, or the `CONSUMED` marker when there is none to run."""
         assert decision.served is not None
-        prepared = decision.prepared
+        prepared = decision.prepared if decision.refusal is None else None
         if prepared is None:
             self._ctx.enqueue(decision.served, call.tenant, decision.request_id, call.model_id,
                               RequestKind.CONSUMED, call.seq_id)
             return
         self._ctx.enqueue(decision.served, call.tenant, decision.request_id, call.model_id, prepared.kind,
                           call.seq_id, payload=prepared.payload, num_tokens=prepared.num_tokens)
-
 
 def _duplicate(request_id: str, logged_kind: str, call: OrderedCall) -> _Decision:
     # A rejected seq id answers any later submission of it with the rejection (the SDK moved on).

@@ -137,6 +137,13 @@ class KeyedWaiters:
         with self._lock:
             return [f for key in keys for f in self._futures.pop(key, [])]
 
+    def take_all(self) -> list[asyncio.Future[bool]]:
+        """Remove and return every parked future (e.g. after a lost subscription: all must re-check)."""
+        with self._lock:
+            futures = [f for parked in self._futures.values() for f in parked]
+            self._futures.clear()
+            return futures
+
     def discard(self, key: str, future: asyncio.Future[bool]) -> None:
         with self._lock:
             futures = self._futures.get(key)

@@ -36,7 +36,7 @@ from redis.retry import Retry
 
 from services.domain.training import WorkError
 from services.jobqueue.codec import DEFAULT_CODEC, Codec, CodecError, decode_result, encode_result
-from services.jobqueue.memory import RecentIds, resolve_threadsafe
+from services.jobqueue.memory import KeyedWaiters, RecentIds, resolve_all_threadsafe
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, ResultStatus, StoredResult
 from services.jobqueue.redis_queue import DEFAULT_PREFIX, default_retry, require_bytes_client
 from services.scheduler.requests import RequestId
@@ -133,8 +133,8 @@ class RedisNotifier:
         self._ping_interval_s = ping_interval_s
         self._retry = retry or default_retry()
         self._backoff = EqualJitterBackoff(cap=2.0, base=0.05)
-        self._lock = threading.Lock()
-        self._waiters: dict[RequestId, list[asyncio.Future[bool]]] = {}
+        self._lock = threading.Lock()  # publishes, (re)subscriptions and the waits that check them
+        self._waiters = KeyedWaiters()
         self._published = RecentIds(retention_s, max_retained)
         self._subscribed = threading.Event()
         self._stopping = threading.Event()
@@ -170,13 +170,13 @@ class RedisNotifier:
                 return True
             if timeout_s <= 0:
                 return False
-            self._waiters.setdefault(request_id, []).append(future)
+            self._waiters.park(request_id, future)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             return False
         finally:
-            self._discard(request_id, future)
+            self._waiters.discard(request_id, future)
 
     def start(self, timeout_s: float = 5.0) -> bool:
         """Start the subscription thread; True once subscribed (False if Redis did not answer in time)."""
@@ -193,8 +193,7 @@ class RedisNotifier:
 
     def waiting(self) -> int:
         """Waiters currently parked (for metrics)."""
-        with self._lock:
-            return sum(len(futures) for futures in self._waiters.values())
+        return self._waiters.count()
 
     @property
     def is_subscribed(self) -> bool:
@@ -255,30 +254,17 @@ class RedisNotifier:
         with self._lock:
             self.subscriptions += 1
             self._subscribed_at = time.monotonic()
-            parked = [future for futures in self._waiters.values() for future in futures]
-            self._waiters.clear()
+            parked = self._waiters.take_all()
         self._subscribed.set()
-        for future in parked:
-            resolve_threadsafe(future)
+        resolve_all_threadsafe(parked)
         if self.subscriptions > 1:
             log.info("notifier resubscribed to %s; woke %d waiters to re-check", self.channel, len(parked))
 
     def _on_published(self, request_id: RequestId) -> None:
         with self._lock:
             self._published.add(request_id)
-            waiters = self._waiters.pop(request_id, [])
-        for future in waiters:
-            resolve_threadsafe(future)
+            waiters = self._waiters.take([request_id])
+        resolve_all_threadsafe(waiters)
 
     def _just_resubscribed(self) -> bool:
         return self.subscriptions > 1 and time.monotonic() - self._subscribed_at < self._grace_s
-
-    def _discard(self, request_id: RequestId, future: asyncio.Future[bool]) -> None:
-        with self._lock:
-            futures = self._waiters.get(request_id)
-            if futures is None:
-                return
-            if future in futures:
-                futures.remove(future)
-            if not futures:
-                del self._waiters[request_id]

@@ -117,7 +117,6 @@ class Save:
         return None
 
 
-
 @dataclass(frozen=True)
 class Load:
     """load_weights (create-via-load at seq 0, or the legacy in-place load), and sampler checkpoint loads."""
