@@ -108,7 +108,7 @@ def open_cluster_database(settings: ClusterSettings) -> Database:
         raise StartupError("cluster mode needs PostgreSQL shared by every process: set CARPOOL_DATABASE_URL "
                            "(e.g. postgresql://carpool@db:5432/carpool) and run `carpool migrate` once")
     try:
-        return open_database(url, migrate=False)
+        return open_database(url, migrate=False, pool_size=settings.database_pool_size)
     except SchemaVersionError as exc:
         raise StartupError(f"{exc}\nFix: run `carpool migrate` against this database first.") from exc
     except OperationalError as exc:

@@ -109,7 +109,7 @@ def build_embedded(settings: ServiceSettings, *, out: TextIO | None = None) -> E
     """Build the service (models loaded, database ready); `start()` then runs its scheduler loops."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     models = resolve_base_models(settings)
-    db = open_database(settings.resolved_database_url(), migrate=True)
+    db = open_database(settings.resolved_database_url(), migrate=True, pool_size=settings.database_pool_size)
     with db.sessions.begin() as session:
         failed = fail_unfinished_requests(session, error=RESTART_ERROR, category="server")
     if failed:

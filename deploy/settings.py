@@ -59,6 +59,10 @@ class ServiceSettings(BaseSettings):
     database_url: str | None = Field(None, description=(
         "SQLAlchemy URL of the control-plane database (postgresql://... in production); default: SQLite "
         "file under data_dir."))
+    database_pool_size: int = Field(24, ge=1, le=1000, description=(
+        "Database connections each process keeps open once used (8 more open for a burst and close again); "
+        "at least the gateway's blocking threads plus its scheduler loops, or transactions queue for a "
+        "connection and bursts pay for new ones. On PostgreSQL mind max_connections across processes."))
     cache_dir: Path | None = Field(None, description=(
         "Where downloaded and converted base models are cached; default: <data_dir>/models."))
     device: str | None = Field(None, description="Torch device for the base models (cpu, cuda, cuda:1); "

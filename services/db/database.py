@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from services.db.engine import SessionFactory, make_engine, make_session_factory, normalize_database_url
+from services.db.engine import (
+    DEFAULT_POOL_SIZE,
+    SessionFactory,
+    make_engine,
+    make_session_factory,
+    normalize_database_url,
+)
 from services.db.schema import check_at_head, upgrade_to_head
 
 
@@ -28,10 +34,12 @@ class Database:
         self.engine.dispose()
 
 
-def open_database(url: str, *, migrate: bool = False, echo: bool = False) -> Database:
-    """Connect to `url`; upgrade it to head when `migrate`, else raise `SchemaVersionError` unless at head."""
+def open_database(url: str, *, migrate: bool = False, echo: bool = False,
+                  pool_size: int = DEFAULT_POOL_SIZE) -> Database:
+    """Connect to `url`; upgrade it to head when `migrate`, else raise `SchemaVersionError` unless at head.
+    `pool_size`: connections the process keeps open (services/db/engine.py)."""
     url = normalize_database_url(url)
-    engine = make_engine(url, echo=echo)
+    engine = make_engine(url, echo=echo, pool_size=pool_size)
     try:
         # Pass the engine (not the URL) so that a SQLite :memory: database is migrated in place.
         if migrate:

@@ -24,6 +24,14 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 SessionFactory = sessionmaker[Session]
 
+DEFAULT_POOL_SIZE = 24
+"""Connections a process keeps open. SQLAlchemy's default (5 kept, 10 more opened and closed again) is
+below what one gateway process runs at once (16 blocking-pool threads, the decode pool, every scheduler
+loop's completion hook, the sweeper), so under load every transaction beyond the fifth paid a new
+connection: on SQLite its PRAGMAs, on PostgreSQL a TCP connect, authentication and a backend process."""
+DEFAULT_MAX_OVERFLOW = 8
+"""Connections opened past the pool for a burst and closed when returned (the process's cap is the sum)."""
+
 
 def database_url_for_data_dir(data_dir: Path) -> str:
     """The SQLite URL of the database file under `data_dir` (absolute, so the cwd does not matter)."""
@@ -62,8 +70,10 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
+def make_engine(url: str, *, echo: bool = False, pool_size: int = DEFAULT_POOL_SIZE,
+                max_overflow: int = DEFAULT_MAX_OVERFLOW) -> Engine:
     """An engine for `url`; on SQLite it enables WAL, foreign keys and a busy timeout on every connection.
+    `pool_size` connections stay open once used, `max_overflow` more are opened for a burst.
 
     SQLite keeps pysqlite's default transaction handling (a transaction opens at the first write, so reads
     never hold a lock that a later write would have to upgrade). The repositories are written for that:
@@ -71,9 +81,10 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     error; unique constraints remain the backstop), and they use no savepoints.
     """
     parsed = make_url(normalize_database_url(url))
+    pooled = {"pool_size": pool_size, "max_overflow": max_overflow}
     if parsed.get_backend_name() != "sqlite":
         # pre_ping: a pooled connection may have been closed by a PostgreSQL restart or an idle timeout.
-        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+        return create_engine(parsed, echo=echo, pool_pre_ping=True, **pooled)
     kwargs: dict[str, Any] = {
         # The gateway hands sessions across threads (thread pool executors); SQLAlchemy's pool already
         # guarantees a connection is used by one thread at a time.
@@ -85,6 +96,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         kwargs["poolclass"] = StaticPool
     else:
         Path(str(parsed.database)).parent.mkdir(parents=True, exist_ok=True)
+        kwargs.update(pooled)
     engine = create_engine(parsed, echo=echo, **kwargs)
     event.listen(engine, "connect", _sqlite_on_connect)
     return engine
