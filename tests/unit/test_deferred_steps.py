@@ -135,8 +135,8 @@ def test_stepping_a_spilled_tenant_applies_pending_steps_before_it_evicts_their_
             assert torch.equal(_state(engine, aid)[key], value), f"{aid} {key}"
 
 
-def test_tenants_in_scattered_rows_step_in_runs_of_consecutive_rows(tiny_model_dir: Path) -> None:
-    """t2 does not step: t0 and t1 share one update call, t3 has its own, all equal to stepping at once."""
+def test_tenants_in_scattered_rows_step_in_one_update_call(tiny_model_dir: Path) -> None:
+    """t2 does not step: t0 and t1 (a run of rows) and t3 share one update call, equal to stepping at once."""
     together, at_once = _engine(tiny_model_dir), _engine(tiny_model_dir)
     stepping = [IDS[0], IDS[1], IDS[3]]
     for engine, each_at_once in ((together, False), (at_once, True)):
@@ -146,8 +146,43 @@ def test_tenants_in_scattered_rows_step_in_runs_of_consecutive_rows(tiny_model_d
             if each_at_once:
                 engine.apply_pending_steps()
         engine.apply_pending_steps()
-    assert together.steps.batched_calls == 2 and at_once.steps.batched_calls == 3
+    assert together.steps.batched_calls == 1 and at_once.steps.batched_calls == 3
     for aid in IDS:
         for key, value in _state(at_once, aid).items():
             assert torch.equal(_state(together, aid)[key], value), f"{aid} {key}"
     assert together.adapter(IDS[2]).grads() and together.adapter(IDS[2]).optimizer.step == 0
+
+
+def test_tenants_at_different_step_counts_share_one_update_call(tiny_model_dir: Path) -> None:
+    """t0 and t2 took a step before the others: four step counts over two, one call, equal to at once."""
+    together, at_once = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    for engine, each_at_once in ((together, False), (at_once, True)):
+        ahead = [IDS[0], IDS[2]]
+        engine.forward_backward([_work(aid, 50 + i) for i, aid in enumerate(ahead)])
+        for aid in ahead:
+            engine.optim_step(aid, HP)
+        engine.apply_pending_steps()
+        calls = engine.steps.batched_calls
+        _train(engine, 2, each_at_once=each_at_once)
+        engine.apply_pending_steps()
+        if not each_at_once:
+            assert engine.steps.batched_calls - calls == 2  # one per round, whatever the step counts
+    assert [together.adapter(aid).optimizer.step for aid in IDS] == [3, 2, 3, 2]
+    for aid in IDS:
+        for key, value in _state(at_once, aid).items():
+            assert torch.equal(_state(together, aid)[key], value), f"{aid} {key}"
+
+
+def test_tenants_with_other_hyper_parameters_get_their_own_call(tiny_model_dir: Path) -> None:
+    together, at_once = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    for engine, each_at_once in ((together, False), (at_once, True)):
+        engine.forward_backward([_work(aid, i) for i, aid in enumerate(IDS)])
+        for i, aid in enumerate(IDS):
+            engine.optim_step(aid, HP if i % 2 else AdamParams(learning_rate=1e-3))
+            if each_at_once:
+                engine.apply_pending_steps()
+        engine.apply_pending_steps()
+    assert together.steps.batched_calls == 2
+    for aid in IDS:
+        for key, value in _state(at_once, aid).items():
+            assert torch.equal(_state(together, aid)[key], value), f"{aid} {key}"

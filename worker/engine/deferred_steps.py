@@ -5,8 +5,9 @@ Applying each at once costs one fused AdamW call per adapter, whose per-tensor o
 region for each of an adapter's ~60 small factor tensors) was a third of the optimizer's time with
 eight small adapters. So the engine *prepares* a step when it arrives (clipping, metrics: everything the
 caller gets back) and leaves the update here; the first engine call after it that reads or moves any
-adapter's weights applies every pending step first, adapters of one bank with the same hyper-parameters
-and step count together over their consecutive rows (worker/engine/optim.py `apply_rows`).
+adapter's weights applies every pending step first: all adapters with the same hyper-parameters in one
+update call, those of one bank at one step count as runs of consecutive rows (worker/engine/optim.py
+`UpdateBatch`).
 
 Nothing can observe a pending step: every engine entry point except `optim_step` itself applies them
 before it does anything else, and an adapter's second `optim_step` applies its first. The update is
@@ -22,7 +23,7 @@ from dataclasses import replace
 from services.domain.training import AdamParams, AdapterId
 from worker.engine.adapters import AdapterState
 from worker.engine.banks import ClassBank
-from worker.engine.optim import apply_rows, apply_step
+from worker.engine.optim import UpdateBatch
 
 
 class DeferredSteps:
@@ -31,7 +32,7 @@ class DeferredSteps:
     def __init__(self) -> None:
         self._pending: dict[AdapterId, tuple[AdapterState, AdamParams]] = {}
         self.batched_calls = 0
-        """Update calls made so far (each covers one adapter or one run of rows): for tests and logs."""
+        """Update calls made so far (one per set of hyper-parameters applied together): for tests and logs."""
 
     def __contains__(self, adapter_id: object) -> bool:
         return adapter_id in self._pending
@@ -45,25 +46,29 @@ class DeferredSteps:
         self._pending[state.adapter_id] = (state, hp)
 
     def apply_all(self) -> None:
-        """Apply every pending step; adapters that can share an update call do."""
+        """Apply every pending step: one update call per set of hyper-parameters, in which adapters of one
+        bank at one step count in consecutive rows are one run of rows."""
         pending, self._pending = self._pending, {}
-        groups: dict[tuple[object, ...], tuple[ClassBank, AdamParams, list[tuple[int, AdapterState]]]] = {}
+        batches: dict[AdamParams, UpdateBatch] = {}
+        runs: dict[tuple[object, ...], tuple[ClassBank, AdamParams, list[tuple[int, AdapterState]]]] = {}
         for state, hp in pending.values():
-            placement = state.placement
-            if placement is None:  # not banked: nothing to share
-                apply_step(state, hp)
-                self.batched_calls += 1
-                continue
             update = replace(hp, grad_clip_norm=0.0)  # clipping is done (prepare_step): it does not split groups
+            batch = batches.setdefault(update, UpdateBatch())
+            placement = state.placement
+            if placement is None:  # not banked: its own tensors
+                batch.add_adapter(state)
+                continue
             key = (id(placement.bank), update, state.optimizer.step)
-            groups.setdefault(key, (placement.bank, update, []))[2].append((placement.slot, state))
-        for bank, hp, members in groups.values():
+            runs.setdefault(key, (placement.bank, update, []))[2].append((placement.slot, state))
+        for bank, update, members in runs.values():
             for start, run in _consecutive_runs(members):
                 if len(run) == 1:  # its own cached views are cheaper than cutting every stack
-                    apply_step(run[0], hp)
+                    batches[update].add_adapter(run[0])
                 else:
-                    apply_rows(bank, start, run, hp)
-                self.batched_calls += 1
+                    batches[update].add_rows(bank, start, run)
+        for update, batch in batches.items():
+            batch.apply(update)
+            self.batched_calls += 1
 
 
 def _consecutive_runs(members: list[tuple[int, AdapterState]]) -> Iterator[tuple[int, list[AdapterState]]]:

@@ -8,11 +8,11 @@ number of adapters, so a single fused pass matters. A `_foreach_*` fallback cove
 
 A step has two halves. `prepare_step` runs when the call arrives: it decides whether there is anything
 to update, and clips (which needs this adapter's gradient norm, a metric the caller gets back).
-`apply_step` / `apply_rows` do the update. `apply_rows` updates several banked adapters that share the
-hyper-parameters and step count at once, over their consecutive bank rows: one tensor per layer and
-factor instead of one per adapter, layer and factor. The kernel's per-tensor cost (a parallel region
-each) was a third of the optimizer's time with eight small adapters; worker/engine/deferred_steps.py
-gathers the steps that can go together.
+`UpdateBatch` does the update: every adapter stepping with the same hyper-parameters in one kernel call,
+and adapters in consecutive bank rows at one step count as one tensor per layer and factor instead of one
+per adapter, layer and factor (the kernel's per-tensor cost, a parallel region each, was a third of the
+optimizer's time with eight small adapters). worker/engine/deferred_steps.py gathers the steps that can
+go together; `apply_step` and `apply_rows` are the one-adapter and one-run cases.
 """
 
 from __future__ import annotations
@@ -51,33 +51,79 @@ def prepare_step(adapter: AdapterState, hp: AdamParams) -> tuple[dict[str, float
     return metrics, True
 
 
+class UpdateBatch:
+    """Several adapters' prepared steps with the same hyper-parameters, applied by ONE update call.
+
+    The fused kernel takes a step count per tensor, so adapters at different step counts and in scattered
+    bank rows still share the call: tenants training side by side rarely sit in consecutive rows or at the
+    same step, and one call per adapter (Python list building plus the kernel's per-call set-up) was a
+    fifth of the optimizer's time with eight small adapters. Consecutive rows at one step count still come
+    in as one run (`add_rows`: one tensor per layer and factor for all of them)."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.m: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.steps: list[int] = []
+        """The (incremented) step count of each tensor's adapter, for its bias correction."""
+        self._adapters: list[AdapterState] = []
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def add_adapter(self, adapter: AdapterState) -> None:
+        """One adapter's tensors (its cached views)."""
+        by_name = adapter.grads()
+        names = list(by_name)
+        adapter.optimizer.step += 1
+        m, v = (_moments(adapter, kind, names) for kind in MOMENTS)
+        self._extend([adapter.params[name] for name in names], list(by_name.values()), m, v,
+                     adapter.optimizer.step)
+        self._adapters.append(adapter)
+
+    def add_rows(self, bank: ClassBank, start: int, adapters: Sequence[AdapterState]) -> None:
+        """Adapters in rows [start, start + len(adapters)) of `bank`, all at the same step count."""
+        stop = start + len(adapters)
+        for adapter in adapters:  # moment entries exist (as row views) after a step, as for `add_adapter`
+            for kind in MOMENTS:
+                _moments(adapter, kind, list(adapter.params))
+            adapter.optimizer.step += 1
+        self._extend(list(bank.runs("", start, stop)), bank.runs("grad", start, stop),
+                     bank.runs("exp_avg", start, stop), bank.runs("exp_avg_sq", start, stop),
+                     adapters[0].optimizer.step)
+        self._adapters.extend(adapters)
+
+    def _extend(self, params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+                v: list[torch.Tensor], step: int) -> None:
+        self.params += params
+        self.grads += grads
+        self.m += m
+        self.v += v
+        self.steps += [step] * len(params)
+
+    def apply(self, hp: AdamParams) -> None:
+        """Update every added tensor, then zero the adapters' gradients."""
+        if self.params:
+            with torch.no_grad():
+                _update(self.params, self.grads, self.m, self.v, hp, self.steps)
+        for adapter in self._adapters:
+            adapter.zero_grad()
+
+
 def apply_step(adapter: AdapterState, hp: AdamParams) -> None:
     """Update one adapter from its (prepared) gradient, then zero the gradient."""
-    by_name = adapter.grads()
-    names, grads = list(by_name), list(by_name.values())
-    params = [adapter.params[name] for name in names]
-    state = adapter.optimizer
-    state.step += 1
-    m, v = (_moments(adapter, kind, names) for kind in MOMENTS)
-    with torch.no_grad():
-        _update(params, grads, m, v, hp, state.step)
-    adapter.zero_grad()
+    batch = UpdateBatch()
+    batch.add_adapter(adapter)
+    batch.apply(hp)
 
 
 def apply_rows(bank: ClassBank, start: int, adapters: Sequence[AdapterState], hp: AdamParams) -> None:
     """Update adapters sitting in rows [start, start + len(adapters)) of `bank`, all with a prepared
     gradient and the same step count, as if each had stepped alone; then zero their gradients."""
-    stop = start + len(adapters)
-    for adapter in adapters:  # moment entries exist (as row views) after a step, as for `apply_step`
-        for kind in MOMENTS:
-            _moments(adapter, kind, list(adapter.params))
-        adapter.optimizer.step += 1
-    params, grads = bank.runs("", start, stop), bank.runs("grad", start, stop)
-    m, v = bank.runs("exp_avg", start, stop), bank.runs("exp_avg_sq", start, stop)
-    with torch.no_grad():
-        _update(params, grads, m, v, hp, adapters[0].optimizer.step)
-    for adapter in adapters:
-        adapter.zero_grad()
+    batch = UpdateBatch()
+    batch.add_rows(bank, start, adapters)
+    batch.apply(hp)
 
 
 def _moments(adapter: AdapterState, kind: str, names: list[str]) -> list[torch.Tensor]:
@@ -93,16 +139,25 @@ def _moments(adapter: AdapterState, kind: str, names: list[str]) -> list[torch.T
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 
 
-def _update(params: Sequence[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
-            v: list[torch.Tensor], hp: AdamParams, step: int) -> None:
-    params = list(params)
+def _update(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+            v: list[torch.Tensor], hp: AdamParams, steps: list[int]) -> None:
     if not _HAS_FUSED:
-        _foreach_update(params, grads, m, v, hp, step)
+        for step, index in _by_step(steps).items():  # the fallback's bias correction is one scalar per call
+            pick = [params[i] for i in index], [grads[i] for i in index], [m[i] for i in index]
+            _foreach_update(*pick, [v[i] for i in index], hp, step)
         return
-    # The kernel reads the (already incremented) step for bias correction; one shared scalar suffices.
-    steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
-    torch._fused_adamw_(params, grads, m, v, [], steps, lr=hp.learning_rate, beta1=hp.beta1, beta2=hp.beta2,
-                        weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False, maximize=False)
+    # The kernel reads each tensor's (already incremented) step for bias correction; one scalar per count.
+    shared = {step: torch.tensor(float(step), device=params[0].device) for step in set(steps)}
+    torch._fused_adamw_(params, grads, m, v, [], [shared[s] for s in steps], lr=hp.learning_rate,
+                        beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False,
+                        maximize=False)
+
+
+def _by_step(steps: list[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        out.setdefault(step, []).append(i)
+    return out
 
 
 def _foreach_update(params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
