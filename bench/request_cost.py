@@ -17,10 +17,13 @@ keep-alive connection (plain httpx, the SDK's wire format) and reads the server'
     optim_pair   POST optim_step + POST retrieve_future (long-poll): a submission, a barrier on the
                  scheduler loop and its completion bookkeeping, the result's wake-up and rendering
     sdk_step     SDK forward_backward(1 x 32 tokens).result() + optim_step().result(): one tenant step
+    sample       SDK SamplingClient.sample(4 samples x 16 tokens).result(): a submission, the batched poller's
+                 held `retrieve_futures` and its two ack polls, the payload's `retrieve_future`, and the pass
 
 CPU times are counted in clock ticks (10 ms), so each figure is a mean over many calls; they depend far less
 on other load than wall-clock figures do (shown too). Last line:
 RESULT healthz_cpu_ms=X heartbeat_cpu_ms=X get_info_cpu_ms=X optim_pair_cpu_ms=X sdk_step_cpu_ms=X
+sample_cpu_ms=X
 
     .venv/bin/python bench/request_cost.py [--calls 1000] [--kinds sdk_step] [--profile /tmp/spy]
 """
@@ -49,7 +52,12 @@ from tinker import types  # noqa: E402
 from tests.e2e.server import TINY_MODEL_NAME, start_server  # noqa: E402
 
 HP = {"learning_rate": 1e-4}
+SLOW_KINDS = ("sdk_step", "sample")
+"""Kinds that run a pass per call: measured over a fifth of `--calls` (at least 50)."""
 VOCAB = 512
+SAMPLE_COUNT = 4
+SAMPLE_PROMPT = types.ModelInput.from_ints([3, 17, 29, 41, 53, 65, 77, 89])
+SAMPLE_PARAMS = types.SamplingParams(max_tokens=16, temperature=1.0)
 
 
 class Probe:
@@ -65,6 +73,7 @@ class Probe:
         self.http = httpx.Client(base_url=url, headers={"X-API-Key": api_key}, timeout=60)
         self.seq = self._next_free_seq()
         self.data = [datum(0, 32, VOCAB)]
+        self.sampler: tinker.SamplingClient | None = None
 
     def _next_free_seq(self) -> int:
         """The first seq id the SDK has not used on this model."""
@@ -101,6 +110,14 @@ class Probe:
         if "metrics" not in self._retrieve(answer.json()["request_id"]):
             raise RuntimeError("optim_step did not complete")
 
+    def sample(self) -> None:
+        """Through the SDK's sampling client of the SDK model's weights (made on first use)."""
+        if self.sampler is None:
+            self.sampler = self.sdk_training.save_weights_and_get_sampling_client()
+        out = self.sampler.sample(SAMPLE_PROMPT, SAMPLE_COUNT, SAMPLE_PARAMS).result()
+        if len(out.sequences) != SAMPLE_COUNT:
+            raise RuntimeError(f"sample answered {len(out.sequences)} sequences")
+
     def sdk_step(self) -> None:
         """Through the SDK, on its own model (the SDK numbers its requests itself)."""
         self.sdk_training.forward_backward(self.data, "cross_entropy").result()
@@ -113,6 +130,7 @@ def measure(pid: int, names: dict[int, str], call: Callable[[], None], calls: in
     `profile`, raw folded stacks per thread, when given)."""
     for _ in range(max(10, calls // 20)):  # warm-up
         call()
+    names = {**names, **thread_names(pid)}  # threads started since (the blocking pool grows on demand)
     spy = None if profile is None else subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format", "raw", "--output",
          str(profile), "--rate", "500", "--threads", "--nonblocking", "--duration", "600"],
@@ -139,7 +157,7 @@ def measure(pid: int, names: dict[int, str], call: Callable[[], None], calls: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=1000, help="calls per kind")
-    parser.add_argument("--kinds", default="healthz,heartbeat,get_info,optim_pair,sdk_step")
+    parser.add_argument("--kinds", default="healthz,heartbeat,get_info,optim_pair,sdk_step,sample")
     parser.add_argument("--profile", type=Path, default=None,
                         help="py-spy the server into FILE-<kind>.txt while each kind is measured")
     args = parser.parse_args()
@@ -153,11 +171,11 @@ def main() -> None:
             pid = server.process.pid
             names = thread_names(pid)
             kinds = {"healthz": probe.healthz, "heartbeat": probe.heartbeat, "get_info": probe.get_info,
-                     "optim_pair": probe.optim_pair, "sdk_step": probe.sdk_step}
+                     "optim_pair": probe.optim_pair, "sdk_step": probe.sdk_step, "sample": probe.sample}
             results: dict[str, float] = {}
             print(f"{'kind':<11} {'cpu ms':>7} {'wall ms':>8}  server CPU ms per call by thread")
             for kind in args.kinds.split(","):
-                calls = args.calls if kind != "sdk_step" else max(50, args.calls // 5)
+                calls = args.calls if kind not in SLOW_KINDS else max(50, args.calls // 5)
                 profile = None if args.profile is None else Path(f"{args.profile}-{kind}.txt")
                 cpu, wall, split = measure(pid, names, kinds[kind], calls, profile)
                 results[kind] = cpu

@@ -1,40 +1,40 @@
-"""`SubmissionBell`: wakes the batched sampling poller of a sampling session when a sample is submitted here.
+"""`SubmissionBell`: wakes the batched sampling pollers of a sampling session when one of its samples is queued.
 
-`retrieve_futures` holds a poll while its target has nothing to report. With requests in flight it waits on
-their completions (the notifier); with none in flight it can only wait for a new submission, and it used to
-look at the database every 50 ms for one — two transactions per look, dozens per sample for a client that
-samples one request at a time. A submission through this process now rings the session's bell, so an idle
-poll waits on the bell and looks again only every `RECHECK_S` (a submission through another gateway process
-is seen on that recheck; one that is not even queued yet cannot have finished, so nothing is reported late
-by more than the recheck).
+`retrieve_futures` holds a poll while its target has nothing to report, waiting on the notifier for the
+completion of the target's unfinished requests (services/control/batch_futures.py). A sample queued after
+the poll looked is not among them, so the submission rings the session's bell, and the held poll waits on the
+bell's key as well. The bell rings through the notifier (`Notifier.publish` of `key(session)`), so a poll held
+by another gateway process of a cluster hears it too, and the notifier's `mark`/`wait_any` tell a ring after
+the poll's look from one it has already seen (a ring is rung after the submission is committed, so a sample
+the look missed always rings after the poll's mark). Until the control plane connects it to its notifier
+(`BatchFutureOps` does, when it is made) the bell rings nowhere: nothing polls then.
 """
 
 from __future__ import annotations
 
-import asyncio
+from services.jobqueue.protocol import Notifier
+from services.scheduler.requests import RequestId
 
-from services.jobqueue.memory import KeyedWaiters, resolve_all_threadsafe
+KEY_PREFIX = "sample-submitted:"
+"""The bell's notifier keys: no request id starts with it (ids are `req-…`-like tokens, never with a colon)."""
 
 
 class SubmissionBell:
-    """Per-key one-shot wake-ups: `wait(key)` returns True when `ring(key)` comes first, False on timeout."""
+    """Rings a sampling session's key on the notifier when a sample of the session is queued here."""
 
-    def __init__(self) -> None:
-        self._waiters = KeyedWaiters()  # rung and awaited on the gateway's loop; tests drive several loops
+    def __init__(self, notifier: Notifier | None = None) -> None:
+        self._notifier = notifier
 
-    def ring(self, key: str) -> None:
-        """Wake every poll waiting on `key` now (a later wait is not woken by this ring)."""
-        resolve_all_threadsafe(self._waiters.take([key]))
+    def connect(self, notifier: Notifier) -> None:
+        """Ring through `notifier` from now on (the one every poll of this process waits on)."""
+        self._notifier = notifier
 
-    async def wait(self, key: str, timeout_s: float) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiters.park(key, future)
-        try:
-            return await asyncio.wait_for(future, max(0.0, timeout_s))
-        except TimeoutError:
-            return False
-        finally:
-            self._waiters.discard(key, future)
+    def ring(self, sampling_id: str) -> None:
+        """Wake every poll of `sampling_id` that looked before now, in any gateway process."""
+        if self._notifier is not None:
+            self._notifier.publish(RequestId(self.key(sampling_id)))
 
-    def waiting(self) -> int:
-        return self._waiters.count()
+    @staticmethod
+    def key(sampling_id: str) -> str:
+        """The notifier key a held poll of `sampling_id` waits on for new submissions."""
+        return f"{KEY_PREFIX}{sampling_id}"

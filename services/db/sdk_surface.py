@@ -67,10 +67,29 @@ def completions_after(db: Session, sampling_id: SamplingSessionId, clone: int, c
 
 def unfinished_requests(db: Session, sampling_id: SamplingSessionId, clone: int, limit: int) -> list[RequestId]:
     """The oldest requests of one (sampling session, clone) still queued or running."""
+    # finished_at is NULL exactly while a request is unfinished: the (session, finished_at) index then reads
+    # the unfinished rows alone, not every request the session ever made.
     stmt = select(RequestRow.id).where(RequestRow.sampling_session_id == sampling_id,
+                                       RequestRow.finished_at.is_(None),
                                        RequestRow.status.in_(("queued", "running")))
     stmt = _clone_range(stmt, clone).order_by(RequestRow.created_at).limit(limit)
     return [RequestId(r) for r in db.scalars(stmt)]
+
+
+def unfinished_and_completions(db: Session, sampling_id: SamplingSessionId, clone: int, cursor: int,
+                               unfinished_limit: int, limit: int, *,
+                               completions_first: bool = False) -> tuple[list[RequestId], list[Completion]]:
+    """`unfinished_requests`, then `completions_after`, in one transaction: what a held batched poll looks at.
+    In this order because under PostgreSQL's READ COMMITTED each statement reads its own snapshot: a request
+    that finishes between the two is then in both lists (and reported), never in neither (and missed).
+    `completions_first` (a look that expects a completion) reads the completions alone first and stops there
+    when there are any (no unfinished requests are read then)."""
+    if completions_first:
+        found = completions_after(db, sampling_id, clone, cursor, limit)
+        if found:
+            return [], found
+    return (unfinished_requests(db, sampling_id, clone, unfinished_limit),
+            completions_after(db, sampling_id, clone, cursor, limit))
 
 
 def join_sampling_session(db: Session, tenant_id: TenantId, sampling_id: SamplingSessionId) -> int | None:

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, Delivery, StoredResult
 from services.scheduler.requests import QueuedRequest, RequestId
@@ -129,8 +129,23 @@ class KeyedWaiters:
         self._futures: dict[str, list[asyncio.Future[bool]]] = {}
 
     def park(self, key: str, future: asyncio.Future[bool]) -> None:
+        self.park_all([key], future)
+
+    def park_all(self, keys: Iterable[str], future: asyncio.Future[bool]) -> None:
+        """Park one future under every key: whichever is taken first resolves it (one wait for many keys)."""
         with self._lock:
-            self._futures.setdefault(key, []).append(future)
+            for key in keys:
+                self._futures.setdefault(key, []).append(future)
+
+    async def await_parked(self, keys: Iterable[str], future: asyncio.Future[bool], timeout_s: float) -> bool:
+        """Await a future parked under `keys`: True once resolved, False after `timeout_s`; unparked either way."""
+        try:
+            return await asyncio.wait_for(future, max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        finally:
+            for key in keys:
+                self.discard(key, future)
 
     def take(self, keys: Iterable[str]) -> list[asyncio.Future[bool]]:
         """Remove and return every future parked on `keys`."""
@@ -179,19 +194,24 @@ class InMemoryNotifier:
         resolve_all_threadsafe(waiters)
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        return await self._wait([request_id], timeout_s, lambda: self._published.contains(request_id))
+
+    def mark(self) -> int:
         with self._lock:
-            if self._published.contains(request_id):
+            return self._published.mark()
+
+    async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
+        return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
+
+    async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        with self._lock:  # checked and parked under the publishes' lock: no publish falls in between
+            if seen():
                 return True
             if timeout_s <= 0:
                 return False
-            self._waiters.park(request_id, future)
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            return False
-        finally:
-            self._waiters.discard(request_id, future)
+            self._waiters.park_all(request_ids, future)
+        return await self._waiters.await_parked(request_ids, future, timeout_s)
 
     def waiting(self) -> int:
         """Waiters currently parked (for metrics)."""
@@ -228,22 +248,45 @@ def resolve_threadsafe(future: asyncio.Future[bool]) -> None:
 
 class RecentIds:
     """Ids published in the last `retention_s` (at most `max_retained`): lets a waiter that arrives just
-    after its publish return at once. Shared by the in-process and the Redis notifier."""
+    after its publish return at once. Shared by the in-process and the Redis notifier.
+
+    Each publish also takes the next number of a sequence, so a caller can ask "published after my `mark`?"
+    (`any_since`) instead of "published lately?" (`contains`): a poll that waits again for ids it already
+    looked at is then not woken at once by the publish it has just handled. The caller serializes calls."""
 
     def __init__(self, retention_s: float, max_retained: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._retention_s = retention_s
         self._max_retained = max_retained
         self._clock = clock
-        self._ids: OrderedDict[RequestId, float] = OrderedDict()
+        self._ids: OrderedDict[RequestId, tuple[float, int]] = OrderedDict()
+        self._seq = 0
+        self._forgotten = 0
+        """The newest sequence number no longer known by id: a mark before it must assume it was its id."""
 
     def add(self, request_id: RequestId) -> None:
         now = self._clock()
-        self._ids[request_id] = now
+        self._seq += 1
+        self._ids[request_id] = (now, self._seq)
         self._ids.move_to_end(request_id)
         cutoff = now - self._retention_s
-        while self._ids and (len(self._ids) > self._max_retained or next(iter(self._ids.values())) < cutoff):
-            self._ids.popitem(last=False)
+        while self._ids and (len(self._ids) > self._max_retained or next(iter(self._ids.values()))[0] < cutoff):
+            self._forgotten = max(self._forgotten, self._ids.popitem(last=False)[1][1])
 
     def contains(self, request_id: RequestId) -> bool:
-        published_at = self._ids.get(request_id)
-        return published_at is not None and published_at >= self._clock() - self._retention_s
+        entry = self._ids.get(request_id)
+        return entry is not None and entry[0] >= self._clock() - self._retention_s
+
+    def mark(self) -> int:
+        """The sequence number of the latest publish: what `any_since` compares with."""
+        return self._seq
+
+    def any_since(self, request_ids: Iterable[RequestId], mark: int) -> bool:
+        """Whether any of `request_ids` was published after `mark` (True too when that can no longer be told)."""
+        if self._forgotten > mark:
+            return True
+        return any(self._ids.get(request_id, (0.0, 0))[1] > mark for request_id in request_ids)
+
+    def forget_all(self) -> None:
+        """Publishes may have been missed (a lost subscription): every earlier mark counts as published."""
+        self._seq += 1
+        self._forgotten = self._seq

@@ -12,7 +12,7 @@ gateway runs in asyncio, so the calls it makes while holding a long-poll (`Resul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -104,6 +104,8 @@ class Notifier(Protocol):
     To close the race between a poll's "not stored yet" and its `wait`, a notifier remembers recent
     publishes for a retention window: a `wait` that starts just after the publish returns True at once.
     Long-poll: `get` → if None, `wait(timeout)` → `get` again (True only means "look again").
+    Several ids at once (`retrieve_futures`): `mark` → look → `wait_any(ids, timeout, after=mark)` → repeat.
+    Ids need not be request ids: any string a publisher and its waiters agree on works as well.
     """
 
     def publish(self, request_id: RequestId) -> None:
@@ -117,4 +119,16 @@ class Notifier(Protocol):
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
         """True once `request_id` is (or recently was) published; False after `timeout_s` without it."""
+        ...
+
+    def mark(self) -> int:
+        """Where this process's notifier stands in the publishes it has seen: take it BEFORE looking at the
+        state the ids stand for, then `wait_any(..., after=mark)`."""
+        ...
+
+    async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
+        """True once any of `request_ids` is published after `mark()` returned `after` (at once if one already
+        was, or if this notifier may have missed publishes since); False after `timeout_s` without one.
+        Unlike `wait`, a publish the caller has already seen (before its mark) does not count: a poll that
+        waits again for ids it looked at is not woken at once by the publish it has just handled."""
         ...

@@ -15,7 +15,8 @@ daemon thread reading one connection, resolving each waiter's asyncio future on 
 Lost wake-ups. A publish can go unseen by a gateway only while its subscription is down (Redis restart,
 killed connection, network cut). Whenever the subscription is (re)established, every parked waiter is
 woken to re-check the result store, and for `resubscribe_grace_s` after a *re*subscription any new
-`wait` returns True at once (its caller's `get` may have run just before the outage ended). Results
+`wait` returns True at once (its caller's `get` may have run just before the outage ended); a `wait_any`
+whose mark was taken before a (re)subscription returns True at once whenever it starts. Results
 are stored before they are published, so get → wait → get never misses a result, only costs a re-check.
 """
 
@@ -26,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -163,20 +164,25 @@ class RedisNotifier:
         self._retry.call_with_retry(send, lambda error: log.warning("redis retry (publish): %s", error))
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
+        return await self._wait([request_id], timeout_s, lambda: self._published.contains(request_id))
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._published.mark()
+
+    async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
+        return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
+
+    async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
         self._ensure_listening()
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         with self._lock:
-            if self._published.contains(request_id) or self._just_resubscribed():
+            if seen() or self._just_resubscribed():
                 return True
             if timeout_s <= 0:
                 return False
-            self._waiters.park(request_id, future)
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            return False
-        finally:
-            self._waiters.discard(request_id, future)
+            self._waiters.park_all(request_ids, future)
+        return await self._waiters.await_parked(request_ids, future, timeout_s)
 
     def start(self, timeout_s: float = 5.0) -> bool:
         """Start the subscription thread; True once subscribed (False if Redis did not answer in time)."""
@@ -254,6 +260,7 @@ class RedisNotifier:
         with self._lock:
             self.subscriptions += 1
             self._subscribed_at = time.monotonic()
+            self._published.forget_all()  # a mark taken before the outage must look again, whenever it waits
             parked = self._waiters.take_all()
         self._subscribed.set()
         resolve_all_threadsafe(parked)

@@ -131,19 +131,20 @@ def test_external_weights_download_through_signed_urls(harness: Harness) -> None
 
 def test_an_idle_batched_poll_wakes_on_a_sample_submitted_here(harness: Harness,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `retrieve_futures` poll with nothing in flight waits on the session's submission bell, not on a
-    timer: with the recheck pushed past the poll's whole hold, only the bell can make it see the sample."""
+    """A `retrieve_futures` poll with nothing in flight waits on the notifier for the session's submission
+    bell, not on a timer: with the recheck pushed past the poll's whole hold, only the bell (and then the
+    sample's completion) can make it see the sample."""
     from services.control import batch_futures
 
     monkeypatch.setattr(batch_futures, "RECHECK_S", 120.0)
     h = harness
     tenant = h.tenant("rl")
     sampler = h.run(h.control.create_sampling_session(tenant, h.session(tenant), 0, model_path=None, base_model=BASE))
-    bell = h.control.ctx.sample_submissions
+    notifier = h.control.ctx.notifier
 
     async def scenario() -> tuple[list[str], str]:
         poll = asyncio.ensure_future(h.control.retrieve_futures(tenant, sampler, 0, 0, 60.0))
-        while bell.waiting() == 0:  # parked on the bell (a bound below catches a poll that never parks)
+        while notifier.waiting() == 0:  # parked (a bound below catches a poll that never parks)
             assert not poll.done(), "the poll ended before it waited for a submission"
             await asyncio.sleep(0.01)
         work = SampleWork(None, np.array([1, 2, 3]), params=SamplingParams(max_tokens=2))

@@ -292,3 +292,38 @@ def test_publish_many_wakes_exactly_the_published_waiters(backend: Backend) -> N
     assert asyncio.run(scenario()) == [True, False, True, True, False, True]
     late = asyncio.run(wait_for(lambda: notifier.wait(RequestId("batch-3"), timeout_s=0), True))
     assert late is True
+
+
+def test_wait_any_wakes_on_a_publish_of_any_of_its_ids_after_the_mark(backend: Backend) -> None:
+    """A held batched poll waits for several requests with one `wait_any`: a publish of any of them after
+    its mark wakes it, one seen before the mark does not (it would make the poll look again and again), and
+    the wait leaves nothing parked behind under any of its ids."""
+    notifier = backend.notifier
+    notifier.publish(RequestId("seen"))
+
+    async def scenario() -> tuple[bool, bool]:
+        await wait_for(lambda: notifier.wait(RequestId("seen"), timeout_s=0), True)  # received (Redis: later)
+        mark = notifier.mark()
+        keys = [RequestId("seen"), RequestId("any-1"), RequestId("any-2")]
+        quiet = await notifier.wait_any(keys, 0.05, after=mark)
+        parked = asyncio.create_task(notifier.wait_any(keys, 60, after=mark))
+        await wait_for(notifier.waiting, 3)  # one wait, parked under each of its ids
+        threading.Thread(target=notifier.publish_many, args=([RequestId("other"), RequestId("any-2")],)).start()
+        return quiet, await parked
+
+    assert asyncio.run(scenario()) == (False, True)
+    assert notifier.waiting() == 0
+
+
+def test_wait_any_returns_at_once_for_a_publish_between_the_mark_and_the_wait(backend: Backend) -> None:
+    notifier = backend.notifier
+
+    async def scenario() -> tuple[bool, bool]:
+        mark = notifier.mark()
+        notifier.publish(RequestId("between"))
+        await wait_for(lambda: notifier.wait(RequestId("between"), timeout_s=0), True)
+        late = await notifier.wait_any([RequestId("between")], 0, after=mark)
+        return late, await notifier.wait_any([RequestId("between")], 0, after=notifier.mark())
+
+    assert asyncio.run(scenario()) == (True, False)
+    assert notifier.waiting() == 0

@@ -217,6 +217,27 @@ def test_the_notifier_survives_its_subscription_being_killed(client: redis.Redis
     admin.close()
 
 
+def test_a_wait_any_marked_before_a_resubscription_looks_again(client: redis.Redis, prefix: str) -> None:
+    """Publishes made while the subscription was down are lost to this process: a batched poll whose mark
+    predates the resubscription returns at once, however long after the grace period it starts waiting."""
+    admin = redis.Redis.from_url(REDIS_URL)
+    subscriber = redis.Redis.from_url(REDIS_URL, client_name=f"{prefix}-sub")
+    notifier = RedisNotifier(client, prefix=prefix, subscriber=subscriber, resubscribe_grace_s=0.0)
+    assert notifier.start()
+    mark = notifier.mark()
+    assert kill_connections(admin, f"{prefix}-sub", "pubsub") == 1
+    assert wait_until(lambda: notifier.is_subscribed and notifier.subscriptions == 2)
+
+    async def waits() -> tuple[bool, bool]:
+        return (await notifier.wait_any([RequestId("lost")], 0, after=mark),
+                await notifier.wait_any([RequestId("lost")], 0, after=notifier.mark()))
+
+    assert asyncio.run(waits()) == (True, False)
+    notifier.close()
+    subscriber.close()
+    admin.close()
+
+
 # --- a real restart, on a private server -------------------------------------------------------------
 
 

@@ -101,3 +101,20 @@ def test_retention_is_bounded_in_size() -> None:
         return await notifier.wait(RequestId(rid), timeout_s=0)
 
     assert [asyncio.run(poll(f"r{i}")) for i in range(3)] == [False, True, True]
+
+
+def test_a_mark_older_than_a_publish_retention_forgot_counts_as_published() -> None:
+    """`wait_any` cannot tell whether an id pushed out of the bounded retention was one of its own: it looks
+    again rather than risk missing it."""
+    notifier = InMemoryNotifier(max_retained=2)
+    mark = notifier.mark()
+    for i in range(2):
+        notifier.publish(RequestId(f"r{i}"))
+
+    async def poll(rid: str, after: int) -> bool:
+        return await notifier.wait_any([RequestId(rid)], 0, after=after)
+
+    assert asyncio.run(poll("unrelated", mark)) is False  # both still known by id: not this one
+    notifier.publish(RequestId("r2"))  # r0 is forgotten now
+    assert asyncio.run(poll("unrelated", mark)) is True
+    assert asyncio.run(poll("unrelated", notifier.mark())) is False

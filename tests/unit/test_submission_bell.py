@@ -1,28 +1,56 @@
-"""`SubmissionBell`: a ring wakes the polls waiting on its key, only them, and only those already waiting."""
+"""`SubmissionBell`: a ring announces its session's key on the notifier, wakes the polls waiting on that key
+only, and counts for a poll only when rung after the poll's mark."""
 
 from __future__ import annotations
 
 import asyncio
 
 from services.control.submission_bell import SubmissionBell
+from services.jobqueue import InMemoryNotifier
+from services.scheduler.requests import RequestId
+
+
+def key(session: str) -> RequestId:
+    return RequestId(SubmissionBell.key(session))
 
 
 def test_a_ring_wakes_the_waiters_of_its_key_only() -> None:
-    bell = SubmissionBell()
+    notifier = InMemoryNotifier()
+    bell = SubmissionBell(notifier)
 
     async def scenario() -> list[bool]:
-        waits = [asyncio.ensure_future(bell.wait(key, 0.5)) for key in ("s1", "s1", "s2")]
-        while bell.waiting() < 3:
+        mark = notifier.mark()
+        waits = [asyncio.ensure_future(notifier.wait_any([key(s)], 0.5, after=mark)) for s in ("s1", "s1", "s2")]
+        while notifier.waiting() < 3:
             await asyncio.sleep(0)
         bell.ring("s1")
         return list(await asyncio.gather(*waits))
 
     assert asyncio.run(scenario()) == [True, True, False]
-    assert bell.waiting() == 0
+    assert notifier.waiting() == 0
 
 
-def test_a_ring_before_the_wait_is_not_remembered() -> None:
+def test_a_ring_before_the_mark_does_not_count_and_one_after_it_does() -> None:
+    notifier = InMemoryNotifier()
+    bell = SubmissionBell(notifier)
+    bell.ring("s1")  # seen by the poll's look already
+
+    async def scenario() -> tuple[bool, bool]:
+        mark = notifier.mark()
+        before = await notifier.wait_any([key("s1")], 0.05, after=mark)
+        bell.ring("s1")  # after the mark, before the wait: the wait must not miss it
+        return before, await notifier.wait_any([key("s1")], 60.0, after=mark)
+
+    assert asyncio.run(scenario()) == (False, True)
+
+
+def test_a_bell_rings_nowhere_until_connected_and_its_keys_are_not_request_ids() -> None:
+    notifier = InMemoryNotifier()
     bell = SubmissionBell()
-    bell.ring("s1")  # nobody waiting: the next poll looks at the database first anyway
-    assert asyncio.run(bell.wait("s1", 0.05)) is False
-    assert bell.waiting() == 0
+    mark = notifier.mark()
+    bell.ring("s1")
+    assert notifier.mark() == mark
+    bell.connect(notifier)
+    bell.ring("s1")
+    assert notifier.mark() > mark
+    assert not SubmissionBell.key("s1").startswith("req-")
