@@ -263,7 +263,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", action="store_true",
                         help="also report the server's CPU per thread (names through py-spy dump) per phase")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="py-spy the server during the first train_multi phase; folded stacks to this file")
+                        help="py-spy the server during the first round's --profile-phase; folded stacks to this file")
+    parser.add_argument("--profile-phase", default="train_multi",
+                        choices=("alone", "train_multi", "train_single", "sample_multi", "sample_single"))
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.rounds = 8.0, 1
@@ -272,18 +274,23 @@ def parse_args() -> argparse.Namespace:
 
 def run_round(server: Server, tenants: list[Tenant], args: argparse.Namespace) -> dict[str, Phase]:
     n, t, vocab, th = args.tenants, args.tokens, args.vocab, args.threads
+
+    def spy(name: str) -> Path | None:
+        return args.profile if name == args.profile_phase else None
+
     phases = {
-        "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2, threads=th),
+        "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2, spy("alone"),
+                           th),
         "train_multi": run_phase(server, "train_multi", [train_loop(x, 1, t, vocab) for x in tenants], args.seconds,
-                                 args.profile, th),
+                                 spy("train_multi"), th),
         "train_single": run_phase(server, "train_single", [train_loop(tenants[0], n, t, vocab)], args.seconds,
-                                  threads=th),
+                                  spy("train_single"), th),
     }
     if not args.skip_sampling:
-        phases["sample_multi"] = run_phase(server, "sample_multi",
-                                           [sample_loop(x, args.samples, t) for x in tenants], args.seconds, threads=th)
-        phases["sample_single"] = run_phase(server, "sample_single",
-                                            [sample_loop(tenants[0], n * args.samples, t)], args.seconds, threads=th)
+        phases["sample_multi"] = run_phase(server, "sample_multi", [sample_loop(x, args.samples, t) for x in tenants],
+                                           args.seconds, spy("sample_multi"), th)
+        phases["sample_single"] = run_phase(server, "sample_single", [sample_loop(tenants[0], n * args.samples, t)],
+                                            args.seconds, spy("sample_single"), th)
     return phases
 
 
