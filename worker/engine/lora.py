@@ -141,19 +141,38 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], layout
         x_S_L_in = x_ext[layout.gather]
     weights = [w for _, w in entries]
     stacks = _bank_stacks(weights, layout)
-    if stacks is not None and all(w.grad_rows is not None for w in weights):
-        # Gradients go to bank rows: autograd only needs to know whether anything here trains.
-        trains = any(w.A.requires_grad for w in weights) and torch.is_grad_enabled()
-        inputs = [layout.trigger()] if trains else []
+    if not torch.is_grad_enabled():
+        # Inference (sampling): no graph to build, so no autograd node either; its `apply` machinery was as
+        # costly as the two GEMMs themselves on a decode step of a few rows per adapter.
+        stacks = stacks or (_stack([w.A for w in weights], layout.rank, dim=0),
+                            _stack([w.B for w in weights], layout.rank, dim=1))
+        out_S_L_out = _grouped_product(x_S_L_in, *stacks, layout.scale)[1]
     else:
-        inputs = [w.A for w in weights] + [w.B for w in weights]
-    out_S_L_out = GroupedLoraDelta.apply(x_S_L_in, layout, stacks, weights, *inputs)
+        out_S_L_out = _grouped_with_graph(x_S_L_in, layout, stacks, weights)
     if layout.uniform:
         return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
     if layout.covers_all:
         return picked
     return x.new_zeros((x.shape[0], out_features), dtype=dtype).index_copy(0, layout.positions, picked)
+
+
+def _grouped_with_graph(x_S_L_in: torch.Tensor, layout: _Layout, stacks: tuple[torch.Tensor, torch.Tensor] | None,
+                        weights: list[LoraWeights]) -> torch.Tensor:
+    if stacks is not None and all(w.grad_rows is not None for w in weights):
+        # Gradients go to bank rows: autograd only needs to know whether anything here trains.
+        trains = any(w.A.requires_grad for w in weights) and torch.is_grad_enabled()
+        inputs = [layout.trigger()] if trains else []
+    else:
+        inputs = [w.A for w in weights] + [w.B for w in weights]
+    return GroupedLoraDelta.apply(x_S_L_in, layout, stacks, weights, *inputs)
+
+
+def _grouped_product(x_S_L_in: torch.Tensor, a_S_R_in: torch.Tensor, b_S_out_R: torch.Tensor,
+                     scale_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, out): h = scale_s * x_s @ A_s.T, out = h @ B_s.T for every segment s, as two batched GEMMs."""
+    h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S)
+    return h_S_L_R, torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
 
 
 class GroupedLoraDelta(torch.autograd.Function):
@@ -180,10 +199,10 @@ class GroupedLoraDelta(torch.autograd.Function):
             stacks = (_stack(list(factors[:count]), layout.rank, dim=0),
                       _stack(list(factors[count:]), layout.rank, dim=1))
         a_S_R_in, b_S_out_R = stacks
-        h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(layout.scale)
+        h_S_L_R, out_S_L_out = _grouped_product(x_S_L_in, a_S_R_in, b_S_out_R, layout.scale)
         ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R)
         ctx.layout, ctx.weights = layout, weights
-        return torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+        return out_S_L_out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
@@ -227,9 +246,18 @@ def _bank_stacks(weights: list[LoraWeights], layout: _Layout) -> tuple[torch.Ten
     first = layout.first_slot
     if first is not None:
         return bank.A[first : first + len(weights)], bank.B[first : first + len(weights)]
+    # Keyed by the stacks' storage as well: a bank that grew has new tensors (a shared dict never outlives
+    # a sample batch, whose adapters stay pinned, but a stale gather must not be possible at all).
+    key = (id(bank.A), bank.A.data_ptr(), bank.B.data_ptr(), *(w.slot for w in weights))
+    cached = layout.gathered.get(key) if layout.gathered is not None else None
+    if cached is not None:
+        return cached  # type: ignore[return-value]
     if layout.slots is None:
         layout.slots = torch.tensor([w.slot for w in weights], device=bank.A.device)
-    return bank.A.index_select(0, layout.slots), bank.B.index_select(0, layout.slots)
+    stacks = bank.A.index_select(0, layout.slots), bank.B.index_select(0, layout.slots)
+    if layout.gathered is not None:
+        layout.gathered[key] = stacks
+    return stacks
 
 
 def _stack(factors: list[torch.Tensor], rank: int, dim: int) -> torch.Tensor:
@@ -249,7 +277,8 @@ class _Layout:
     for them and, for the grouped one, its index tensors. Computed once per pass, not once per layer."""
 
     def __init__(self, entries: list[tuple[Segment, LoraWeights]], tokens: int, device: torch.device,
-                 strategy: str, written: set[tuple[int, int]] | None = None) -> None:
+                 strategy: str, written: set[tuple[int, int]] | None = None,
+                 gathered: dict[tuple[object, ...], object] | None = None) -> None:
         lengths = [s.end - s.start for s, _ in entries]
         ranks = [w.A.shape[0] for _, w in entries]
         self.rank = max(ranks)
@@ -264,6 +293,8 @@ class _Layout:
         """Bank rows of the segments' adapters, built on first use (see `_bank_stacks`)."""
         self.written = written if written is not None else set()
         """The pass's gradient rows already written (`PassPlan.written`, see worker/engine/grad_rows.py)."""
+        self.gathered = gathered
+        """Factors gathered from bank rows, shared with other model calls (`PassPlan.gathered`)."""
         self._device = device
         self._trigger: torch.Tensor | None = None
         dtype = entries[0][1].A.dtype
@@ -301,7 +332,7 @@ def _layout(plan: PassPlan, entries: list[tuple[Segment, LoraWeights]], tokens: 
     key = tuple(id(s) for s, _ in entries)
     layout = plan.layouts.get(key)
     if layout is None:
-        layout = _Layout(entries, tokens, device, strategy, plan.written)
+        layout = _Layout(entries, tokens, device, strategy, plan.written, plan.gathered)
         plan.layouts[key] = layout
     return layout  # type: ignore[return-value]
 

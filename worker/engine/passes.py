@@ -83,6 +83,10 @@ class PassPlan:
     """Per-pass cache of the grouped LoRA strategy's index tensors (layers with equal layouts share)."""
     written: set[tuple[int, int]] = field(default_factory=set)
     """Gradient rows (id of the row stack, row) this pass has written: a second write adds to the first."""
+    gathered: dict[tuple[object, ...], object] | None = None
+    """Factors gathered from bank rows, reusable by every model call that shares this dict: only calls
+    between which no weight can change (the decode steps of one sample batch) may share one. None: each
+    call gathers its own."""
 
 
 @dataclass

@@ -174,6 +174,9 @@ class _Decoding:
     """Position of each row's last token."""
     rows: list[_Row]
     weights: list[LayerWeights]
+    gathered: dict[tuple[object, ...], object] = field(default_factory=dict)
+    """The adapters' factors gathered from their bank rows once for every decode step (`PassPlan.gathered`):
+    no weight changes while a batch decodes (the engine's lock is held, its adapters pinned)."""
 
     def keep(self, indices: list[int], next_R: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows everywhere (cache included); returns the kept rows' next tokens."""
@@ -197,7 +200,7 @@ def _generate(lm: LoadedModel, jobs: list[_Job], tokenizer: TokenDecoder | None)
         batch.mask_R_S = torch.cat([batch.mask_R_S, batch.mask_R_S.new_ones(len(keep), 1)], dim=1)
         batch.pos_R = batch.pos_R + 1
         logits_R_V = _forward(lm, next_R[:, None], batch.mask_R_S, batch.pos_R[:, None], batch.cache,
-                              batch.weights)[:, -1]
+                              batch.weights, batch.gathered)[:, -1]
 
 
 def _prefill(lm: LoadedModel, jobs: list[_Job]) -> tuple[_Decoding, torch.Tensor]:
@@ -229,9 +232,10 @@ def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Ten
 
 
 def _forward(lm: LoadedModel, ids_R_T: torch.Tensor, mask_R_S: torch.Tensor, pos_R_T: torch.Tensor,
-             cache: DynamicCache, row_weights: list[LayerWeights]) -> torch.Tensor:
+             cache: DynamicCache, row_weights: list[LayerWeights],
+             gathered: dict[tuple[object, ...], object] | None = None) -> torch.Tensor:
     """One cached model call with each row served by its own adapter; fp32 logits (R, T, V)."""
-    plan = PassPlan(segments=segments_for_rows(row_weights, ids_R_T.shape[1]))
+    plan = PassPlan(segments=segments_for_rows(row_weights, ids_R_T.shape[1]), gathered=gathered)
     with lm.ctx.plan(plan):
         out = lm.model(input_ids=ids_R_T, attention_mask=mask_R_S, position_ids=pos_R_T, use_cache=True,
                        **{_cache_kwarg(lm.model): cache})
