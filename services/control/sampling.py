@@ -5,13 +5,19 @@ adapter before it returns, so the first sample never waits for weights) or to th
 `sample` validates the prompt against the base model's limits, dedupes `(sampling_session_id, seq_id)`
 against the request log, and queues an unordered `SAMPLE` request; its promise carries one
 `sample_sequence_id` per requested sample.
+
+A submission reads its sampling session once per process: the fields it needs (`SamplerFacts`) never change
+after the row is created and the row is never deleted, so they are kept per (tenant, session) in an
+`OwnedFacts`. Only a lookup that found the caller's own session fills it: a foreign or unknown id is looked
+up on every submission and answered 404 exactly as before. What can change about a session (its checkpoint
+deleted, unpublished or replaced) is checked by `_check_still_readable`, as before, not remembered here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from sqlalchemy.orm import Session
 
@@ -19,6 +25,7 @@ from services.auth.tenants import Tenant
 from services.control.api import Invalid, NotFound, SampleSubmitted
 from services.control.context import ControlContext, ephemeral_save_for, not_found, sample_request_for_seq
 from services.control.models import parse_path, readable_checkpoint
+from services.control.ownership import OwnedFacts
 from services.control.registry import ServedModel
 from services.control.samplers import (
     BindingCheck,
@@ -48,6 +55,21 @@ from services.wire.paths import sample_sequence_ids
 _LOCK_STRIPES = 64
 
 
+@dataclass(frozen=True)
+class SamplerFacts:
+    """What a submission reads of its sampling session row: fixed when the row is created (only
+    `joined_clients` ever changes, which sampling does not read)."""
+
+    id: SamplingSessionId
+    session_id: SessionId
+    base_model: str
+    model_path: str | None
+
+    @classmethod
+    def of(cls, row: SamplingSessionRow) -> SamplerFacts:
+        return cls(SamplingSessionId(row.id), SessionId(row.session_id), row.base_model, row.model_path)
+
+
 class SamplingOps:
     def __init__(self, ctx: ControlContext, samplers: SamplerBindings, loads: LoadLedger | None = None) -> None:
         self._ctx = ctx
@@ -55,6 +77,8 @@ class SamplingOps:
         self._loader = CheckpointLoader(ctx, loads)
         self._binding_check = BindingCheck(ctx.options.sampler_recheck_s)
         self._stripes = [asyncio.Lock() for _ in range(_LOCK_STRIPES)]
+        self._sessions: OwnedFacts[SamplerFacts] = OwnedFacts()
+        """Sampling sessions a submission found to be their tenant's: every sample reads one."""
 
     async def create_sampling_session(self, tenant: Tenant, session_id: SessionId, seq: int, *,
                                       model_path: str | None, base_model: str | None) -> SamplingSessionId:
@@ -107,10 +131,10 @@ class SamplingOps:
                 self._ctx.sample_submissions.ring(sampler_id)
         return SampleSubmitted(request_id, sample_sequence_ids(request_id, work.num_samples))
 
-    async def _check_still_readable(self, tenant: Tenant, row: SamplingSessionRow, binding: SamplerBinding) -> None:
+    async def _check_still_readable(self, tenant: Tenant, row: SamplerFacts, binding: SamplerBinding) -> None:
         """A session bound to a checkpoint samples only while that very checkpoint row is readable by the
         session's tenant (deleted, unpublished or re-saved since: 404, like any checkpoint it cannot read)."""
-        sampler_id, bound = SamplingSessionId(row.id), bound_checkpoint_version(binding.adapter_id)
+        sampler_id, bound = row.id, bound_checkpoint_version(binding.adapter_id)
         if row.model_path is None or bound is None or not self._binding_check.due(sampler_id):
             return
         parsed = parse_path(row.model_path, "model_path")
@@ -128,11 +152,17 @@ class SamplingOps:
                            "replaced; create a new sampling client", field="sampling_session_id")
         self._binding_check.passed(sampler_id)
 
-    async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplingSessionRow:
+    async def get_row(self, tenant: Tenant, sampler_id: SamplingSessionId) -> SamplerFacts:
+        """The caller's sampling session (404 if it is not the caller's), read once per process."""
+        known = self._sessions.get(tenant.id, sampler_id)
+        if known is not None:
+            return known
         row = await self._ctx.tx(lambda db: get_sampling_session(db, TenantId(tenant.id), sampler_id))
-        if row is None:
+        if row is None:  # never remembered: the next submission with this id looks it up again
             raise NotFound(not_found("sampling session", sampler_id), field="sampling_session_id")
-        return row
+        facts = SamplerFacts.of(row)
+        self._sessions.remember(tenant.id, sampler_id, facts)
+        return facts
 
     def _log_tx(self, db: Session, tenant: Tenant, sampler_id: SamplingSessionId,
                 seq_id: int | None, tokens: int, record_stability: bool = False) -> tuple[RequestId, bool, bool]:
@@ -170,11 +200,11 @@ class SamplingOps:
         adapter_id = await self._loader.ensure(tenant, served, to_load)
         return SamplerBinding(served.name, adapter_id)
 
-    async def _recover_binding(self, tenant: Tenant, row: SamplingSessionRow) -> SamplerBinding:
+    async def _recover_binding(self, tenant: Tenant, row: SamplerFacts) -> SamplerBinding:
         """A session this process has not bound (it was restarted): rebuild the binding from the database."""
-        sampler_id = SamplingSessionId(row.id)
+        sampler_id = row.id
         if row.model_path is not None:
-            binding = await self._bind_checkpoint(tenant, SessionId(row.session_id), row.model_path, None)
+            binding = await self._bind_checkpoint(tenant, row.session_id, row.model_path, None)
         elif await self._ctx.tx(lambda db: ephemeral_save_for(db, sampler_id)) is not None:
             raise Invalid(f"sampling session {sampler_id} sampled a snapshot that did not survive a server "
                           "restart; create a new sampling client", field="sampling_session_id")

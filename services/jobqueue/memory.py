@@ -203,6 +203,10 @@ class InMemoryNotifier:
     async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
         return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
 
+    def changed_since(self, request_ids: Collection[RequestId], mark: int) -> bool:
+        with self._lock:  # in process no publish is missed; one no longer remembered counts as made (RecentIds)
+            return self._published.any_since(request_ids, mark)
+
     async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         with self._lock:  # checked and parked under the publishes' lock: no publish falls in between

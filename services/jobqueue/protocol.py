@@ -105,6 +105,8 @@ class Notifier(Protocol):
     publishes for a retention window: a `wait` that starts just after the publish returns True at once.
     Long-poll: `get` → if None, `wait(timeout)` → `get` again (True only means "look again").
     Several ids at once (`retrieve_futures`): `mark` → look → `wait_any(ids, timeout, after=mark)` → repeat.
+    Whether a look is still current, without waiting: `changed_since(ids, mark)` (False: nothing it stands
+    on was announced since, so looking again would find the same).
     Ids need not be request ids: any string a publisher and its waiters agree on works as well.
     """
 
@@ -131,4 +133,11 @@ class Notifier(Protocol):
         was, or if this notifier may have missed publishes since); False after `timeout_s` without one.
         Unlike `wait`, a publish the caller has already seen (before its mark) does not count: a poll that
         waits again for ids it looked at is not woken at once by the publish it has just handled."""
+        ...
+
+    def changed_since(self, request_ids: Collection[RequestId], mark: int) -> bool:
+        """Whether any of `request_ids` was published after `mark()` returned `mark`, or this notifier may
+        have missed publishes since (a lost or re-established subscription): True means "look again".
+        Non-blocking. True whenever `wait_any(request_ids, ..., after=mark)` would return True at once, so
+        a caller that trusts a False answer and then waits is never woken at once by the same state."""
         ...

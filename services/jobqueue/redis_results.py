@@ -16,7 +16,8 @@ Lost wake-ups. A publish can go unseen by a gateway only while its subscription 
 killed connection, network cut). Whenever the subscription is (re)established, every parked waiter is
 woken to re-check the result store, and for `resubscribe_grace_s` after a *re*subscription any new
 `wait` returns True at once (its caller's `get` may have run just before the outage ended); a `wait_any`
-whose mark was taken before a (re)subscription returns True at once whenever it starts. Results
+whose mark was taken before a (re)subscription returns True at once whenever it starts, and
+`changed_since` answers True for such a mark, and for any mark while the subscription is down. Results
 are stored before they are published, so get → wait → get never misses a result, only costs a re-check.
 """
 
@@ -172,6 +173,13 @@ class RedisNotifier:
 
     async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
         return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
+
+    def changed_since(self, request_ids: Collection[RequestId], mark: int) -> bool:
+        with self._lock:
+            # Not subscribed now (never yet, or lost): publishes go unseen, so nothing can be vouched for.
+            # Just resubscribed: `_wait` answers at once then, and a False here must mean it would park.
+            return (not self._subscribed.is_set() or self._just_resubscribed()
+                    or self._published.any_since(request_ids, mark))
 
     async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
         self._ensure_listening()

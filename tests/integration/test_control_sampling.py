@@ -4,6 +4,7 @@ bare base model; sample ids and dedupe; snapshot semantics; external weights beh
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,3 +191,33 @@ def test_a_sample_logged_but_never_queued_runs_on_the_retry(harness: Harness,
     assert isinstance(result, Done) and isinstance(result.result, SampleResult), result
     assert h.run(h.control.sample(t, sampler, 3, work)).request_id == retry.request_id
     assert len(queued) == copies  # done: not queued again
+
+
+def test_a_sample_reads_its_own_session_once_and_a_foreign_or_unknown_one_every_time(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a submission needs of its sampling session never changes, so the caller's own session is read
+    once per process; another tenant's session, or an unknown id, is looked up (and refused) every time."""
+    from services.control.context import ControlContext
+
+    h = harness
+    owner, intruder = h.tenant("acme"), h.tenant("intruder")
+    session = h.session(owner)
+    sampler = h.run(h.control.create_sampling_session(owner, session, 0, model_path=None, base_model=BASE))
+    unknown = SamplingSessionId(f"{session}:sample:9")
+    work = SampleWork(None, PROMPT, params=GREEDY)
+    h.done(owner, h.run(h.control.sample(owner, sampler, 0, work)).request_id)  # reads the session
+    transactions: list[object] = []
+    real_tx = ControlContext.tx
+
+    async def counted(ctx: ControlContext, fn: Any) -> Any:
+        transactions.append(fn)
+        return await real_tx(ctx, fn)
+
+    monkeypatch.setattr(ControlContext, "tx", counted)
+    second = h.run(h.control.sample(owner, sampler, 1, work))
+    assert len(transactions) == 1  # the request log alone
+    for foreign in (sampler, sampler, unknown):
+        with pytest.raises(NotFound):
+            h.run(h.control.sample(intruder, foreign, 2, work))
+    assert len(transactions) == 4  # one lookup per refused submission: nothing negative is remembered
+    assert isinstance(h.done(owner, second.request_id), SampleResult)

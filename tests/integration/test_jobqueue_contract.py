@@ -327,3 +327,30 @@ def test_wait_any_returns_at_once_for_a_publish_between_the_mark_and_the_wait(ba
 
     assert asyncio.run(scenario()) == (True, False)
     assert notifier.waiting() == 0
+
+
+def test_changed_since_tells_a_publish_after_the_mark_without_waiting(backend: Backend) -> None:
+    """What an ack poll answered from memory asks: was any of these ids announced after my mark? Only a
+    publish of one of them after the mark says yes; and whenever it says no, `wait_any` would park."""
+    notifier = backend.notifier
+    keys = [RequestId("seen"), RequestId("watched")]
+
+    async def received(request_id: str) -> None:  # Redis delivers a publish later, on its listener thread
+        await wait_for(lambda: notifier.wait(RequestId(request_id), timeout_s=0), True)
+
+    async def scenario() -> list[bool]:
+        notifier.publish(RequestId("seen"))
+        await received("seen")
+        mark = notifier.mark()
+        answers = [notifier.changed_since(keys, mark), await notifier.wait_any(keys, 0, after=mark)]
+        notifier.publish(RequestId("unwatched"))
+        await received("unwatched")
+        answers.append(notifier.changed_since(keys, mark))
+        notifier.publish_many([RequestId("watched")])
+        await received("watched")
+        answers += [notifier.changed_since(keys, mark), notifier.changed_since([RequestId("seen")], mark),
+                    notifier.changed_since(keys, notifier.mark())]
+        return answers
+
+    assert asyncio.run(scenario()) == [False, False, False, True, False, False]
+    assert notifier.waiting() == 0

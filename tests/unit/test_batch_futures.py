@@ -1,5 +1,6 @@
-"""`retrieve_futures` held polls against a fake request log: how many transactions a poll spends across a
-sample's lifetime, and that every way a sample can finish or arrive still ends the poll.
+"""`retrieve_futures` polls against a fake request log: how many transactions a held poll spends across a
+sample's lifetime, and that every way a sample can finish or arrive still ends the poll; which ack polls the
+memory of the last look answers without a transaction, and that it never hides a completion a look would find.
 
 The request log is a dict (the repository functions are replaced), the notifier the in-process one, and
 every `ctx.tx` is counted. Nothing here asserts on time: a poll that re-looked on a timer would show up as
@@ -197,3 +198,125 @@ def test_an_ack_poll_is_one_transaction(setup: Setup) -> None:
     setup.log.submit("req-a")
     page = asyncio.run(setup.ops.retrieve_futures(TENANT, SESSION, 0, 0, 0.0))
     assert reported(page) == [] and page.cursor == 0 and setup.log.looks == 1
+
+
+# --- ack polls answered from the memory of the last look --------------------------------------------------
+
+
+async def held_then_acks(setup: Setup, request_id: str, acks: int = 2) -> tuple[Any, list[Any]]:
+    """What the SDK does per sample: a held poll until `request_id` finishes, then `acks` ack polls with
+    the cursor that poll returned."""
+    poll = setup.poll()
+    await setup.parked(poll, looks=setup.log.looks + 1)
+    setup.finish(request_id)
+    page = await asyncio.wait_for(poll, HANG_S)
+    return page, [await setup.poll(page.cursor, 0.0) for _ in range(acks)]
+
+
+def test_the_ack_polls_after_a_reported_completion_need_no_transaction(setup: Setup) -> None:
+    """The SDK's two ack polls after each completion carry the cursor it was just given; the held poll's
+    looks already showed that nothing else of the target is in flight, and nothing was announced since."""
+    setup.log.submit("req-a")
+    page, acks = asyncio.run(held_then_acks(setup, "req-a"))
+    assert reported(page) == ["req-a"]
+    assert [(reported(ack), ack.cursor) for ack in acks] == [([], page.cursor)] * 2  # the cursor stays put
+    assert setup.log.looks == 2  # the held poll's two; the acks used to cost one each
+
+
+def test_an_ack_poll_looks_when_a_request_it_stood_on_was_announced(setup: Setup) -> None:
+    """Two samples in flight, one reported: the memory stands on the other, and its announcement sends the
+    next ack poll to the database, which reports it exactly as a look always did."""
+    setup.log.submit("req-a")
+    setup.log.submit("req-b")
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        page, [quiet] = await held_then_acks(setup, "req-a", acks=1)
+        looks = setup.log.looks
+        setup.finish("req-b")
+        late = await setup.poll(page.cursor, 0.0)
+        assert setup.log.looks == looks + 1
+        return page, quiet, late
+
+    page, quiet, late = asyncio.run(scenario())
+    assert reported(page) == ["req-a"] and reported(quiet) == [] and quiet.cursor == page.cursor
+    assert reported(late) == ["req-b"] and late.cursor > page.cursor
+
+
+def test_a_sample_queued_since_the_look_sends_the_ack_poll_to_the_database(setup: Setup) -> None:
+    """A sample queued (through any gateway: the bell rings through the notifier) after the last look is
+    not in its memory: the next ack poll looks, and reports the sample if it already finished."""
+    setup.log.submit("req-a")
+
+    async def scenario() -> list[tuple[list[str], int]]:
+        page, _ = await held_then_acks(setup, "req-a", acks=1)
+        setup.log.submit("req-b")
+        SubmissionBell(setup.notifier).ring(SESSION)
+        setup.finish("req-b")
+        answers = [await setup.poll(page.cursor, 0.0)]
+        answers += [await setup.poll(answers[-1].cursor, 0.0) for _ in range(3)]
+        return [(reported(a), a.cursor) for a in answers]
+
+    (first, cursor), *rest = asyncio.run(scenario())
+    assert first == ["req-b"] and rest == [([], cursor)] * 3
+    assert setup.log.looks == 2 + 1 + 1  # held poll, the ack that found req-b, one more to learn anew
+
+
+def test_an_ack_poll_with_another_cursor_looks(setup: Setup) -> None:
+    """A new poller of the same target starts at cursor 0: the memory only answers for its own cursor."""
+    setup.log.submit("req-a")
+
+    async def scenario() -> Any:
+        await held_then_acks(setup, "req-a", acks=1)
+        return await setup.poll(0, 0.0)
+
+    assert reported(asyncio.run(scenario())) == ["req-a"]
+    assert setup.log.looks == 3
+
+
+def test_a_finish_never_announced_is_reported_once_the_memory_is_old(setup: Setup) -> None:
+    """A scheduler process that dies between its commit and its announcement: held polls look at the
+    database first, and an ack poll trusts a look for `MEMORY_S` at most."""
+    now = [0.0]
+    setup.ops._memory = batch_futures.LookMemory(clock=lambda: now[0])
+    setup.log.submit("req-a")
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        page, _ = await held_then_acks(setup, "req-a", acks=1)
+        setup.log.submit("req-b")  # queued (and rung) before the look
+        SubmissionBell(setup.notifier).ring(SESSION)
+        learned = await setup.poll(page.cursor, 0.0)  # looks: the bell rang; it learns that req-b runs
+        setup.log.finish("req-b")  # never announced
+        trusted = await setup.poll(page.cursor, 0.0)
+        now[0] += batch_futures.MEMORY_S
+        return learned, trusted, await setup.poll(page.cursor, 0.0)
+
+    learned, trusted, late = asyncio.run(scenario())
+    assert reported(learned) == [] and reported(trusted) == [] and reported(late) == ["req-b"]
+
+
+def test_a_look_at_more_unfinished_requests_than_the_memory_keeps_is_not_remembered(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_futures, "MEMORY_WATCH", 1)
+    setup.log.submit("req-a")
+    setup.log.submit("req-b")
+
+    async def scenario() -> list[Any]:
+        return [await setup.poll(0, 0.0) for _ in range(3)]
+
+    assert [(reported(a), a.cursor) for a in asyncio.run(scenario())] == [([], 0)] * 3
+    assert setup.log.looks == 3
+
+
+def test_the_memory_keeps_the_most_recently_used_targets() -> None:
+    notifier = InMemoryNotifier()
+    memory = batch_futures.LookMemory(capacity=2)
+    bell = QueueRequestId("bell")
+    quiet = batch_futures.Look(notifier.mark(), [], [])
+    for clone in range(3):
+        memory.learn((SESSION, clone), 0, quiet, bell)
+        if clone == 1:
+            assert memory.quiet((SESSION, 0), 0, notifier)  # target 0 is now the most recently used
+    assert len(memory) == 2
+    assert [memory.quiet((SESSION, clone), 0, notifier) for clone in range(3)] == [True, False, True]
+    notifier.publish(bell)
+    assert not memory.quiet((SESSION, 0), 0, notifier)
