@@ -174,52 +174,75 @@ class KeyedWaiters:
             return sum(len(futures) for futures in self._futures.values())
 
 
+class Announcements:
+    """What a notifier keeps of this process's view: recent publishes (`RecentIds`) and the waits parked on
+    them (`KeyedWaiters`), under one lock that a wait checks and parks under, so no publish can fall between
+    a wait's check and its parking. Both notifiers are made of one; `lock` also guards what a notifier adds
+    to the check (the Redis one: its subscription state)."""
+
+    def __init__(self, retention_s: float, max_retained: int, clock: Clock = time.monotonic) -> None:
+        self.lock = threading.Lock()
+        self.published = RecentIds(retention_s, max_retained, clock)
+        self.waiters = KeyedWaiters()
+
+    def add(self, request_ids: Sequence[RequestId]) -> None:
+        """Record publishes and wake their waiters."""
+        with self.lock:
+            for request_id in request_ids:
+                self.published.add(request_id)
+            waiters = self.waiters.take(request_ids)
+        resolve_all_threadsafe(waiters)
+
+    def mark(self) -> int:
+        with self.lock:
+            return self.published.mark()
+
+    def seen(self, check: Callable[[RecentIds], bool]) -> bool:
+        with self.lock:
+            return check(self.published)
+
+    async def wait(self, request_ids: Collection[RequestId], timeout_s: float,
+                   check: Callable[[RecentIds], bool]) -> bool:
+        """True at once if `check` holds (under the lock), else once any of `request_ids` is published;
+        False after `timeout_s`."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        with self.lock:
+            if check(self.published):
+                return True
+            if timeout_s <= 0:
+                return False
+            self.waiters.park_all(request_ids, future)
+        return await self.waiters.await_parked(request_ids, future, timeout_s)
+
+
 class InMemoryNotifier:
     """`Notifier` with per-waiter asyncio futures; one instance serves every long-poll of a process."""
 
     def __init__(self, retention_s: float = 60.0, max_retained: int = 100_000, clock: Clock = time.monotonic):
-        self._clock = clock
-        self._lock = threading.Lock()  # publishes and the waits that check them
-        self._waiters = KeyedWaiters()
-        self._published = RecentIds(retention_s, max_retained, clock)
+        self._announced = Announcements(retention_s, max_retained, clock)
 
     def publish(self, request_id: RequestId) -> None:
         self.publish_many([request_id])
 
     def publish_many(self, request_ids: Sequence[RequestId]) -> None:
-        with self._lock:
-            for request_id in request_ids:
-                self._published.add(request_id)
-            waiters = self._waiters.take(request_ids)
-        resolve_all_threadsafe(waiters)
+        self._announced.add(request_ids)
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
-        return await self._wait([request_id], timeout_s, lambda: self._published.contains(request_id))
+        return await self._announced.wait([request_id], timeout_s, lambda seen: seen.contains(request_id))
 
     def mark(self) -> int:
-        with self._lock:
-            return self._published.mark()
+        return self._announced.mark()
 
     async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
-        return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
+        return await self._announced.wait(request_ids, timeout_s, lambda seen: seen.any_since(request_ids, after))
 
     def changed_since(self, request_ids: Collection[RequestId], mark: int) -> bool:
-        with self._lock:  # in process no publish is missed; one no longer remembered counts as made (RecentIds)
-            return self._published.any_since(request_ids, mark)
-
-    async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        with self._lock:  # checked and parked under the publishes' lock: no publish falls in between
-            if seen():
-                return True
-            if timeout_s <= 0:
-                return False
-            self._waiters.park_all(request_ids, future)
-        return await self._waiters.await_parked(request_ids, future, timeout_s)
+        # In process no publish is missed; one no longer remembered counts as made (RecentIds).
+        return self._announced.seen(lambda seen: seen.any_since(request_ids, mark))
 
     def waiting(self) -> int:
         """Waiters currently parked (for metrics)."""
-        return self._waiters.count()
+        return self._announced.waiters.count()
 
 
 def resolve_all_threadsafe(futures: Sequence[asyncio.Future[bool]]) -> None:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +38,7 @@ from redis.retry import Retry
 
 from services.domain.training import WorkError
 from services.jobqueue.codec import DEFAULT_CODEC, Codec, CodecError, decode_result, encode_result
-from services.jobqueue.memory import KeyedWaiters, RecentIds, resolve_all_threadsafe
+from services.jobqueue.memory import Announcements, resolve_all_threadsafe
 from services.jobqueue.protocol import DEFAULT_RESULT_TTL_S, ResultStatus, StoredResult
 from services.jobqueue.redis_queue import DEFAULT_PREFIX, default_retry, require_bytes_client
 from services.scheduler.requests import RequestId
@@ -135,9 +135,8 @@ class RedisNotifier:
         self._ping_interval_s = ping_interval_s
         self._retry = retry or default_retry()
         self._backoff = EqualJitterBackoff(cap=2.0, base=0.05)
-        self._lock = threading.Lock()  # publishes, (re)subscriptions and the waits that check them
-        self._waiters = KeyedWaiters()
-        self._published = RecentIds(retention_s, max_retained)
+        self._announced = Announcements(retention_s, max_retained)
+        self._lock = self._announced.lock  # publishes, (re)subscriptions and the waits that check them
         self._subscribed = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -165,32 +164,23 @@ class RedisNotifier:
         self._retry.call_with_retry(send, lambda error: log.warning("redis retry (publish): %s", error))
 
     async def wait(self, request_id: RequestId, timeout_s: float) -> bool:
-        return await self._wait([request_id], timeout_s, lambda: self._published.contains(request_id))
+        self._ensure_listening()
+        return await self._announced.wait([request_id], timeout_s,
+                                          lambda seen: seen.contains(request_id) or self._just_resubscribed())
 
     def mark(self) -> int:
-        with self._lock:
-            return self._published.mark()
+        return self._announced.mark()
 
     async def wait_any(self, request_ids: Collection[RequestId], timeout_s: float, *, after: int) -> bool:
-        return await self._wait(request_ids, timeout_s, lambda: self._published.any_since(request_ids, after))
+        self._ensure_listening()
+        return await self._announced.wait(
+            request_ids, timeout_s, lambda seen: seen.any_since(request_ids, after) or self._just_resubscribed())
 
     def changed_since(self, request_ids: Collection[RequestId], mark: int) -> bool:
-        with self._lock:
-            # Not subscribed now (never yet, or lost): publishes go unseen, so nothing can be vouched for.
-            # Just resubscribed: `_wait` answers at once then, and a False here must mean it would park.
-            return (not self._subscribed.is_set() or self._just_resubscribed()
-                    or self._published.any_since(request_ids, mark))
-
-    async def _wait(self, request_ids: Collection[RequestId], timeout_s: float, seen: Callable[[], bool]) -> bool:
-        self._ensure_listening()
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        with self._lock:
-            if seen() or self._just_resubscribed():
-                return True
-            if timeout_s <= 0:
-                return False
-            self._waiters.park_all(request_ids, future)
-        return await self._waiters.await_parked(request_ids, future, timeout_s)
+        # Not subscribed now (never yet, or lost): publishes go unseen, so nothing can be vouched for.
+        # Just resubscribed: `wait_any` answers at once then, and a False here must mean it would park.
+        return self._announced.seen(lambda seen: not self._subscribed.is_set() or self._just_resubscribed()
+                                    or seen.any_since(request_ids, mark))
 
     def start(self, timeout_s: float = 5.0) -> bool:
         """Start the subscription thread; True once subscribed (False if Redis did not answer in time)."""
@@ -207,7 +197,7 @@ class RedisNotifier:
 
     def waiting(self) -> int:
         """Waiters currently parked (for metrics)."""
-        return self._waiters.count()
+        return self._announced.waiters.count()
 
     @property
     def is_subscribed(self) -> bool:
@@ -268,18 +258,15 @@ class RedisNotifier:
         with self._lock:
             self.subscriptions += 1
             self._subscribed_at = time.monotonic()
-            self._published.forget_all()  # a mark taken before the outage must look again, whenever it waits
-            parked = self._waiters.take_all()
+            self._announced.published.forget_all()  # a mark taken before the outage must look again, always
+            parked = self._announced.waiters.take_all()
         self._subscribed.set()
         resolve_all_threadsafe(parked)
         if self.subscriptions > 1:
             log.info("notifier resubscribed to %s; woke %d waiters to re-check", self.channel, len(parked))
 
     def _on_published(self, request_id: RequestId) -> None:
-        with self._lock:
-            self._published.add(request_id)
-            waiters = self._waiters.take([request_id])
-        resolve_all_threadsafe(waiters)
+        self._announced.add([request_id])
 
     def _just_resubscribed(self) -> bool:
         return self.subscriptions > 1 and time.monotonic() - self._subscribed_at < self._grace_s
