@@ -72,24 +72,33 @@ def heartbeat_session(
     db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None,
     min_interval_s: float = 0.0,
 ) -> bool:
-    """Mark the session alive. False if it is unknown to this tenant or already finished.
+    """Mark the session alive. False if it is unknown to this tenant or already finished (see `record_heartbeat`)."""
+    return record_heartbeat(db, tenant_id, session_id, now=now, min_interval_s=min_interval_s) is not None
 
-    With `min_interval_s`, a live session whose recorded heartbeat is younger than that is only read: the
-    SDK beats every 10 s per client, so with hundreds of clients the UPDATEs (writes, each taking SQLite's
-    one write lock) were a large share of the gateway's database work, for a column the stale-session sweep
-    compares against an hour."""
+
+def record_heartbeat(
+    db: Session, tenant_id: TenantId, session_id: SessionId, *, now: datetime | None = None,
+    min_interval_s: float = 0.0,
+) -> datetime | None:
+    """Mark the session alive; returns its recorded heartbeat afterwards (None: unknown to this tenant, or
+    finished).
+
+    With `min_interval_s`, a live session whose recorded heartbeat is younger than that is only read (and
+    that younger time returned): the SDK beats every 10 s per client, so with hundreds of clients the UPDATEs
+    (writes, each taking SQLite's one write lock) were a large share of the gateway's database work, for a
+    column the stale-session sweep compares against an hour."""
     now = now or utcnow()
     if min_interval_s > 0:
         row = db.execute(select(SessionRow.last_heartbeat_at, SessionRow.finished_at).where(
             SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)).one_or_none()
         if row is None or row.finished_at is not None:
-            return False
+            return None
         if row.last_heartbeat_at is not None and now - row.last_heartbeat_at < timedelta(seconds=min_interval_s):
-            return True
+            return row.last_heartbeat_at
     stmt = update(SessionRow).where(
         SessionRow.id == session_id, SessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)
     )
-    return execute_count(db, stmt.values(last_heartbeat_at=now)) == 1
+    return now if execute_count(db, stmt.values(last_heartbeat_at=now)) == 1 else None
 
 
 def finish_session(
