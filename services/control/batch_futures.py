@@ -146,9 +146,6 @@ class LookMemory:
 class BatchFutureOps:
     def __init__(self, ctx: ControlContext) -> None:
         self._ctx = ctx
-        # The sampling ops ring the context's bell on every submission; held polls here wait on its key, so
-        # it must ring through the notifier they wait on (which also reaches the other gateway processes).
-        ctx.sample_submissions.connect(ctx.notifier)
         self._owned = OwnedIds()
         """Sampling sessions found to be their tenant's: the poller sends several polls per sample."""
         self._memory = LookMemory()

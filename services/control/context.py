@@ -74,8 +74,12 @@ class ControlContext:
     quotas: QuotaGate = field(default_factory=QuotaGate)
     accepted: AcceptedRequests = field(default_factory=AcceptedRequests)
     """Requests accepted here whose result is not collected yet (spares their first poll a read)."""
-    sample_submissions: SubmissionBell = field(default_factory=SubmissionBell)
-    """Rung with a sampling session's id when one of its samples is queued here (wakes idle batched polls)."""
+    sample_submissions: SubmissionBell = field(init=False)
+    """Rung with a sampling session's id when one of its samples is queued here; rings through `notifier`, so
+    the batched polls of every gateway process hear it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sample_submissions", SubmissionBell(self.notifier))  # frozen: set once here
 
     async def tx(self, fn: Callable[[Session], _T]) -> _T:
         """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""

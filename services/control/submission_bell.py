@@ -6,8 +6,8 @@ the poll looked is not among them, so the submission rings the session's bell, a
 bell's key as well. The bell rings through the notifier (`Notifier.publish` of `key(session)`), so a poll held
 by another gateway process of a cluster hears it too, and the notifier's `mark`/`wait_any` tell a ring after
 the poll's look from one it has already seen (a ring is rung after the submission is committed, so a sample
-the look missed always rings after the poll's mark). Until the control plane connects it to its notifier
-(`BatchFutureOps` does, when it is made) the bell rings nowhere: nothing polls then.
+the look missed always rings after the poll's mark). The control context makes its bell with its own
+notifier; a bell made without one rings nowhere.
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ class SubmissionBell:
     """Rings a sampling session's key on the notifier when a sample of the session is queued here."""
 
     def __init__(self, notifier: Notifier | None = None) -> None:
-        self._notifier = notifier
-
-    def connect(self, notifier: Notifier) -> None:
-        """Ring through `notifier` from now on (the one every poll of this process waits on)."""
         self._notifier = notifier
 
     def ring(self, sampling_id: str) -> None:

@@ -128,9 +128,6 @@ class KeyedWaiters:
         self._lock = threading.Lock()
         self._futures: dict[str, list[asyncio.Future[bool]]] = {}
 
-    def park(self, key: str, future: asyncio.Future[bool]) -> None:
-        self.park_all([key], future)
-
     def park_all(self, keys: Iterable[str], future: asyncio.Future[bool]) -> None:
         """Park one future under every key: whichever is taken first resolves it (one wait for many keys)."""
         with self._lock:

@@ -44,13 +44,13 @@ def test_a_ring_before_the_mark_does_not_count_and_one_after_it_does() -> None:
     assert asyncio.run(scenario()) == (False, True)
 
 
-def test_a_bell_rings_nowhere_until_connected_and_its_keys_are_not_request_ids() -> None:
+def test_a_bell_rings_nowhere_without_a_notifier_and_its_keys_are_not_request_ids() -> None:
     notifier = InMemoryNotifier()
     bell = SubmissionBell()
     mark = notifier.mark()
     bell.ring("s1")
     assert notifier.mark() == mark
-    bell.connect(notifier)
+    bell = SubmissionBell(notifier)
     bell.ring("s1")
     assert notifier.mark() > mark
     assert not SubmissionBell.key("s1").startswith("req-")

@@ -159,10 +159,10 @@ def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], layout
 
 def _grouped_with_graph(x_S_L_in: torch.Tensor, layout: _Layout, stacks: tuple[torch.Tensor, torch.Tensor] | None,
                         weights: list[LoraWeights]) -> torch.Tensor:
+    """The grouped product as one autograd node (grad is on)."""
     if stacks is not None and all(w.grad_rows is not None for w in weights):
         # Gradients go to bank rows: autograd only needs to know whether anything here trains.
-        trains = any(w.A.requires_grad for w in weights) and torch.is_grad_enabled()
-        inputs = [layout.trigger()] if trains else []
+        inputs = [layout.trigger()] if any(w.A.requires_grad for w in weights) else []
     else:
         inputs = [w.A for w in weights] + [w.B for w in weights]
     return GroupedLoraDelta.apply(x_S_L_in, layout, stacks, weights, *inputs)
