@@ -76,6 +76,16 @@ class Run:
     client_cpu: float = 0.0
     """Cores the client processes used over the measured time."""
     client_procs: int = 1
+    reloads: float | None = None
+    """Spilled adapters brought back (`carpool_adapter_reloads_total`) during the measured time."""
+    steps: int = 0
+    """forward_backward calls completed in the measured time."""
+
+    @property
+    def reloads_per_step(self) -> float:
+        """Adapter reloads per tenant step (fb + optim_step): 0 while every adapter stays resident; 1 is the
+        least when adapters outnumber the slots (each step brings its adapter back once)."""
+        return self.reloads / self.steps if self.reloads is not None and self.steps else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -238,6 +248,7 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     print(f"N={n}: set up in {procs} client processes, measuring for {args.seconds:.0f} s "
           f"(server pid {server.process.pid}, client pids {' '.join(map(str, pids))})", flush=True)
     server_cpu, client_cpu = cpu_s(server.process.pid), sum(cpu_s(pid) for pid in pids)
+    reloads_before = metric_total(server, "carpool_adapter_reloads_total")
     began = time.monotonic()
     deadline.value = began + args.seconds
     go.set()
@@ -256,7 +267,21 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     for worker in workers:
         worker.join(timeout=60)
     run.wait_p95_ms = wait_p95_ms(waits_before, queue_wait_buckets(server))
+    reloads_after = metric_total(server, "carpool_adapter_reloads_total")
+    if reloads_before is not None and reloads_after is not None:
+        run.reloads = reloads_after - reloads_before
+    run.steps = len(run.rtt["fb"])
     return run
+
+
+def metric_total(server: Server, name: str) -> float | None:
+    """The sum of a counter over its label sets on the server's /metrics; None if it exports none."""
+    try:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(values) if values else None
 
 
 def queue_wait_buckets(server: Server) -> list[tuple[float, float]]:
@@ -294,13 +319,13 @@ def p(values: list[float], q: float) -> float:
 
 def report(runs: list[Run], rss_start: float, rss_end: float, tokens: int) -> None:
     print(f"{'N':>5} {'tok/s':>8} {'fb p50':>8} {'fb p95':>8} {'opt p50':>8} {'opt p95':>8} {'wait p95':>9} "
-          f"{'errors':>6} {'rss MiB':>8} {'rss Δ%':>6} {'srv cpu':>7} {'cli cpu':>7} {'procs':>5}")
+          f"{'errors':>6} {'rss MiB':>8} {'rss Δ%':>6} {'srv cpu':>7} {'cli cpu':>7} {'procs':>5} {'reloads/step':>12}")
     for r in runs:
         wait = f"{r.wait_p95_ms:.0f}" if r.wait_p95_ms is not None else "n/a"
         print(f"{r.tenants:>5} {r.tokens_per_s:>8.1f} {p(r.rtt['fb'], 50):>8.0f} {p(r.rtt['fb'], 95):>8.0f} "
               f"{p(r.rtt['optim'], 50):>8.0f} {p(r.rtt['optim'], 95):>8.0f} {wait:>9} {r.errors:>6} "
               f"{max(r.rss_mb, default=0):>8.0f} {r.rss_window_growth_pct:>6.1f} {r.server_cpu:>7.2f} "
-              f"{r.client_cpu:>7.2f} {r.client_procs:>5}")
+              f"{r.client_cpu:>7.2f} {r.client_procs:>5} {r.reloads_per_step:>12.2f}")
     big = max(runs, key=lambda r: r.tenants)
     small = min((r for r in runs if r.tenants >= 8), key=lambda r: r.tenants, default=runs[0])
     ratio = big.tokens_per_s / small.tokens_per_s if small.tokens_per_s else float("nan")

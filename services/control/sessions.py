@@ -37,13 +37,18 @@ class SessionOps:
 
     async def create_session(self, tenant: Tenant, *, tags: list[str], user_metadata: dict[str, object],
                              sdk_version: str | None, project_id: str | None) -> SessionId:
+        now = self._ctx.clock()
+
         def tx(db: Session) -> SessionId:
             self._ctx.quotas.check_sessions(db, tenant)
             row = create_session(db, TenantId(tenant.id), tags=tags, user_metadata=dict(user_metadata or {}),
-                                 sdk_version=sdk_version, project_id=project_id, now=self._ctx.clock())
+                                 sdk_version=sdk_version, project_id=project_id, now=now)
             return SessionId(row.id)
 
-        return await self._ctx.tx(tx)
+        session_id = await self._ctx.tx(tx)
+        # Created with its first beat recorded: the client's first heartbeats need no transaction either.
+        self._beats.remember(tenant.id, session_id, now)
+        return session_id
 
     async def heartbeat(self, tenant: Tenant, session_id: SessionId) -> None:
         """Mark the session alive: a write at most every `HEARTBEAT_WRITE_INTERVAL_S`, and no transaction at all

@@ -189,14 +189,16 @@ class Holds:
         self._held_since.pop(lane, None)
 
     def decide(self, lane: str, now: float, ready: set[TenantId], barrier_pending: set[TenantId],
-               fixed_cost_s: float | None) -> float | None:
+               fixed_cost_s: float | None, cap_s: float | None = None) -> float | None:
         """Seconds to hold `lane`'s next item, or None to dispatch it now. `fixed_cost_s`: a pass's fitted
-        fixed cost, if there is a fit."""
+        fixed cost, if there is a fit; `cap_s`: a tighter bound on the hold, if the caller has one."""
         usual = self._usual_s.get(lane)
         if usual is None or not self._factor > 0:
             return self.release(lane)
         expected = self.forecast.expected(lane, now, ready=ready, barrier_pending=barrier_pending)
         budget = min(self._max_s, self._factor * _fixed_cost(lane, usual, fixed_cost_s))
+        if cap_s is not None:
+            budget = min(budget, cap_s)
         decision = decide_hold(expected, now, self._held_since.setdefault(lane, now), budget)
         if decision.hold_s is None:
             self.release(lane)

@@ -220,14 +220,24 @@ class StepPlan:
     hold_s: float | None = None
     """A pass or sample batch is held for tenants expected soon: step again after new submissions, or
     after at most this many seconds. None: nothing held (step again when there is news)."""
+    warm_models: frozenset[ModelId] = frozenset()
+    """Models of the pass that completed last: their barriers run before this step's passes (`items`)."""
 
     @property
     def items(self) -> tuple[PlanItem, ...]:
         """Every item to dispatch (rejected completions are not items: nothing to run), in the order a
-        loop that runs them one by one should use: packed passes and sample batches first (they carry
-        every tenant's latency), barriers last (each holds up only its own model, which is not in this
-        step's passes anyway; a slow save must not delay everyone's pass)."""
-        return (*self.passes, *self.sample_batches, *self.barriers)
+        loop that runs them one by one should use:
+
+        - barriers of the models in the pass that completed last first: their adapters are still on the
+          device (this step's pass would evict them when adapters outnumber the slots, and each barrier
+          would bring its adapter back: two swaps per model and step at 512 tenants on 16 slots), and a
+          client that waits on its `optim_step` sends its next request sooner;
+        - then packed passes and sample batches (they carry every tenant's latency);
+        - other barriers last (each holds up only its own model, which is not in this step's passes
+          anyway; a slow save, or ten models' steps, must not delay everyone's pass)."""
+        warm = tuple(b for b in self.barriers if b.request.model_id in self.warm_models)
+        cold = tuple(b for b in self.barriers if b.request.model_id not in self.warm_models)
+        return (*warm, *self.passes, *self.sample_batches, *cold)
 
     @property
     def is_empty(self) -> bool:

@@ -22,8 +22,11 @@ passes each wait longer, not less.
 
 Independent closed-loop clients would never arrive together, so a pass (and a sample batch) may be held
 for active tenants predicted to arrive soon (`services/scheduler/arrivals.py`): never for a lone tenant,
-at most `hold_factor` times the item's fixed cost (`max_hold_seconds` at most). A held step returns
-`StepPlan.hold_s`, how long the loop may wait for new submissions before stepping again.
+never while a full pass (tokens or adapters) is queued, at most `hold_factor` times the item's fixed cost
+(`max_hold_seconds` at most). Beside a heavy backlog a pass waits for a light tenant only when the paced
+pass has room for it beside the heavy one, and at most `HEAVY_HOLD_SHARE` of that pass. A held step returns
+`StepPlan.hold_s`, how long the loop may wait for new submissions before stepping again. A step's barriers
+of the models in the pass that completed last run before its passes (`StepPlan.items`), the others after.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ from services.scheduler.requests import (
     models_held,
     pair_results,
 )
+
+HEAVY_HOLD_SHARE = 0.25
+"""Beside a heavy backlog, a pass waits for a light tenant due back for at most this share of its estimated
+duration (the heavy tenant's price, per light step, for the light tenant not waiting a whole pass out)."""
 
 CONTENTION_WINDOW_S = 5.0
 """How recently another tenant must have had pass work for passes to be paced (a training loop's requests
@@ -96,6 +103,8 @@ class Scheduler:
         self._in_flight: dict[PlanItemId, PlanItem] = {}
         self._busy: dict[ModelId, int] = {}
         self._barrier_busy: set[ModelId] = set()
+        self._last_pass_models: frozenset[ModelId] = frozenset()
+        """The models of the pass that completed last (their adapters are likely still on the device)."""
         self._item_ids = itertools.count(1)
         self._totals: dict[str, int] = dict.fromkeys(
             ("passes", "barriers", "sample_batches", "rejected", "tokens", "tenants", "last_tenants", "holds"), 0
@@ -149,7 +158,7 @@ class Scheduler:
         self._drop_empty_queues()
         holds = [h for h in (pass_hold, sample_hold) if h is not None]
         return StepPlan(barriers=barriers, passes=passes, sample_batches=sample_batches, rejected=rejected,
-                        hold_s=min(holds) if holds else None)
+                        hold_s=min(holds) if holds else None, warm_models=self._last_pass_models)
 
     def complete(self, item: PlanItem, results: Sequence[object] | WorkError) -> list[Completion]:
         """Record that `item` ran; pair its requests with `results`.
@@ -169,6 +178,8 @@ class Scheduler:
                 del self._busy[model_id]
         if isinstance(item, BarrierPlan):
             self._barrier_busy.discard(item.request.model_id)
+        elif isinstance(item, PassPlan):
+            self._last_pass_models = frozenset(models_held(item))
         self._note_completed(item)
         return pair_results(item.requests, results)
 
@@ -273,14 +284,11 @@ class Scheduler:
                 self._pass_work.note(queued_tokens(runs), self._clock())
             budget = self._pass_budget(runs)
             if i == 0:
-                # Room is judged against the hard limit: the paced budget grows by one share per arrival.
-                # Beside a heavy backlog pacing decides (a paced pass fits about one request: holding for
-                # the light tenant only makes it alternate with the heavy one), so no hold then.
-                alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
-                heavy = alike is not None and self._pass_work.any_above(alike)
+                # Room is judged against the hard limit (the paced budget grows by one share per arrival)
+                # and the adapters a pass may hold: with a full pass queued, nobody could join it.
                 queued = sum(r.num_tokens for run in runs for r in run)
-                hold = self._hold(PASS, {run[0].tenant_id for run in runs},
-                                  not heavy and queued < self.limits.max_tokens_per_pass)
+                has_room = queued < self.limits.max_tokens_per_pass and len(runs) < self.limits.max_adapters_per_pass
+                hold = self._hold(PASS, {run[0].tenant_id for run in runs}, has_room, self._heavy_hold_cap(budget))
                 if hold is not None:
                     return (), hold
             chosen = self._packer.pack(runs, self.limits, budget) if runs else []
@@ -303,14 +311,30 @@ class Scheduler:
         one_round = sum(tokens for tokens in queued_tokens(runs).values() if tokens <= alike)
         return max(self._pacer.budget(hard, self._pass_work.smallest()), min(hard, one_round))
 
-    def _hold(self, lane: str, ready: set[TenantId], has_room: bool) -> float | None:
+    def _heavy_hold_cap(self, budget: int) -> float | None:
+        """Beside a heavy backlog (a tenant with more queued than pacing lets into one pass), the longest a
+        pass may wait for a light tenant due back: a share of the paced pass it would otherwise miss. A
+        closed-loop light tenant comes back just after the pass planned at its barrier started, and would
+        wait that whole pass out before riding in the next; holding a few ms costs the heavy tenant that
+        share of one pass per light step instead. None: no heavy backlog (the usual hold rules)."""
+        alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
+        if alike is None or not self._pass_work.any_above(alike):
+            return None
+        if budget < 2 * self._pass_work.smallest():
+            # A paced pass fits about one request: the light tenant could not ride along with the heavy
+            # one, only take turns with it, so waiting for it would idle the engine for nothing.
+            return 0.0
+        estimate = self._pacer.model.estimate(budget)
+        return 0.0 if estimate is None else HEAVY_HOLD_SHARE * estimate
+
+    def _hold(self, lane: str, ready: set[TenantId], has_room: bool, cap_s: float | None = None) -> float | None:
         """Seconds to hold `lane`'s next item for expected tenants, or None to dispatch it now."""
-        if not ready or not has_room:
+        if not ready or not has_room or cap_s == 0.0:
             return self._holds.release(lane)
         pending = {q[0].tenant_id for q in self._ready.values() if q and q[0].kind.is_barrier}
         pending |= {i.request.tenant_id for i in self._in_flight.values() if isinstance(i, BarrierPlan)}
         fit = self._pacer.model.cost()
-        hold_s = self._holds.decide(lane, self._clock(), ready, pending, None if fit is None else fit[0])
+        hold_s = self._holds.decide(lane, self._clock(), ready, pending, None if fit is None else fit[0], cap_s)
         self._totals["holds"] += hold_s is not None
         return hold_s
 

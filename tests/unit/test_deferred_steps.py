@@ -127,7 +127,9 @@ def test_stepping_a_spilled_tenant_applies_pending_steps_before_it_evicts_their_
         e.optim_step(IDS[2], HP)
         e.optim_step(IDS[3], HP)  # both pending; t2 is now the least recently used
     assert engine.slots.resident_ids() == [IDS[2], IDS[3]] and len(engine.steps) == 2
-    engine.optim_step(IDS[0], HP)  # t0 comes back from disk and t2 goes there
+    # t0 comes back from disk and t2 goes there (a clipped step needs its adapter back; an unclipped one
+    # would be parked with the spilled adapter instead).
+    engine.optim_step(IDS[0], AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
     assert IDS[2] not in engine.slots.resident_ids()
     reference.apply_pending_steps()
     for aid in (IDS[2], IDS[3]):
@@ -186,3 +188,68 @@ def test_tenants_with_other_hyper_parameters_get_their_own_call(tiny_model_dir: 
     for aid in IDS:
         for key, value in _state(at_once, aid).items():
             assert torch.equal(_state(together, aid)[key], value), f"{aid} {key}"
+
+
+# -- steps of spilled adapters: parked with the adapter, applied when it comes back --------------------------
+
+
+def _passes_then_steps(engine: Engine, rounds: int, hp: AdamParams = HP) -> None:
+    """bench/load.py's pattern with more tenants than slots: every tenant's pass, then every tenant's step
+    (by the time a tenant's step arrives, later passes evicted its adapter)."""
+    for r in range(rounds):
+        for i, aid in enumerate(IDS):
+            engine.forward_backward([_work(aid, 10 * r + i)])
+        for aid in IDS:
+            engine.optim_step(aid, hp)
+
+
+def test_a_spilled_adapters_step_waits_for_it_and_ends_where_stepping_at_once_ends(tiny_model_dir: Path) -> None:
+    """One slot, four tenants: a step no longer brings its adapter back just to update it (half the reloads),
+    and every tenant ends bit-for-bit where stepping each at once, all resident, ends."""
+    engine, reference = _engine(tiny_model_dir, max_resident=1), _engine(tiny_model_dir)
+    _passes_then_steps(engine, 3)
+    _passes_then_steps(reference, 3)
+    reference.apply_pending_steps()
+    reloads = engine.slots.restores
+    assert reloads <= 3 * len(IDS)  # one per pass (the steps of spilled tenants reload nothing)
+    for aid in IDS:
+        for key, value in _state(reference, aid).items():
+            assert torch.equal(_state(engine, aid)[key], value), f"{aid} {key}"
+        assert engine.adapter(aid).optimizer.step == 3
+
+
+def test_a_parked_step_is_applied_before_any_entry_point_reads_the_adapter(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """Saving (or sampling, or a second step) a tenant whose step is parked sees the step applied."""
+    engine, reference = _engine(tiny_model_dir, max_resident=1), _engine(tiny_model_dir)
+    for e in (engine, reference):
+        e.forward_backward([_work(IDS[0], 1)])
+        e.forward_backward([_work(IDS[1], 2)])  # evicts t0 (one slot)
+        e.optim_step(IDS[0], HP)
+    reference.apply_pending_steps()
+    assert IDS[0] not in engine.slots.resident_ids()
+    engine.optim_step(IDS[0], HP)  # a second step: the first is applied, no gradient is left for this one
+    engine.save_adapter(IDS[0], tmp_path / "ckpt", with_optimizer=True)
+    assert engine.adapter(IDS[0]).optimizer.step == 1
+    for key, value in _state(reference, IDS[0]).items():
+        assert torch.equal(_state(engine, IDS[0])[key], value), key
+
+
+def test_a_clipped_step_of_a_spilled_adapter_still_runs_at_once(tiny_model_dir: Path) -> None:
+    """Clipping needs the gradient's norm, which the caller gets back: the adapter comes back for it."""
+    engine = _engine(tiny_model_dir, max_resident=1)
+    engine.forward_backward([_work(IDS[0], 1)])
+    engine.forward_backward([_work(IDS[1], 2)])
+    reloads = engine.slots.restores
+    result = engine.optim_step(IDS[0], AdamParams(learning_rate=5e-3, grad_clip_norm=0.5))
+    assert "grad_norm:mean" in result.metrics and engine.slots.restores == reloads + 1
+
+
+def test_dropping_a_spilled_adapter_drops_its_parked_step(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, max_resident=1)
+    engine.forward_backward([_work(IDS[0], 1)])
+    engine.forward_backward([_work(IDS[1], 2)])
+    engine.optim_step(IDS[0], HP)
+    engine.drop_adapter(IDS[0])
+    engine.create_adapter(IDS[0], LoraSpec(rank=8, seed=0))  # a new adapter under the old id: no old step
+    assert engine.adapter(IDS[0]).optimizer.step == 0

@@ -242,6 +242,32 @@ def test_a_step_runs_its_passes_before_its_barriers() -> None:
     assert plan.items[0] is plan.passes[0]
 
 
+def test_the_last_passs_barriers_run_before_the_next_pass_and_other_barriers_after_it() -> None:
+    """The models that were in the pass that just completed have their adapters on the device: their
+    optim_steps run before the next pass (which would evict them when adapters outnumber the resident slots,
+    and each step would bring its adapter back), and their clients get the step's result sooner. Other
+    models' barriers still wait until after the pass."""
+    scheduler = Scheduler(SchedulerLimits())
+    for model in ("a", "b", "c", "d"):
+        scheduler.open_model(ModelId(model), next_seq_id=1)
+    for model in ("a", "b"):
+        scheduler.submit(QueuedRequest(RequestId(f"{model}#1"), TenantId(model), ModelId(model),
+                                       RequestKind.FORWARD_BACKWARD, 1, 64))
+    first = scheduler.step()
+    (ran,) = first.passes
+    for model in ("a", "b"):
+        scheduler.submit(QueuedRequest(RequestId(f"{model}#2"), TenantId(model), ModelId(model),
+                                       RequestKind.OPTIM_STEP, 2))
+    scheduler.submit(QueuedRequest(RequestId("c#1"), TenantId("c"), ModelId("c"), RequestKind.FORWARD_BACKWARD,
+                                   1, 64))
+    scheduler.submit(QueuedRequest(RequestId("d#1"), TenantId("d"), ModelId("d"), RequestKind.OPTIM_STEP, 1))
+    scheduler.complete(ran, [object(), object()])
+    plan = scheduler.step()
+    order = [r.request_id for item in plan.items for r in item.requests]
+    assert sorted(order[:2]) == ["a#2", "b#2"]
+    assert order[2:] == ["c#1", "d#1"]
+
+
 def test_a_light_request_still_waits_for_a_heavy_request_that_is_running() -> None:
     """Requests are never split across passes: beside one 640-token request at a time, pacing bounds the
     light tenant's wait by that request (about 10x its own pass), not by everything the heavy one queued."""

@@ -383,6 +383,17 @@ def test_request_ids_are_echoed_or_minted(client: TestClient) -> None:
     assert len(minted) == 32
 
 
+def test_minted_request_ids_are_unique_without_a_random_read_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system call per request releases the GIL, and under load the event loop waits to get it back."""
+    from gateway.middleware import RequestIds
+
+    first, second = RequestIds(), RequestIds()  # two gateways, or two processes
+    monkeypatch.setattr("os.urandom", lambda n: pytest.fail("a random read per request"))
+    ids = [first.mint() for _ in range(1000)] + [second.mint() for _ in range(1000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
 def test_metrics_count_by_route_template(client: TestClient) -> None:
     client.get("/api/v1/samplers/a:sample:0", headers=AUTH)
     client.get("/api/v1/samplers/b:sample:1", headers=AUTH)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -231,6 +232,10 @@ class Engine:
         """Prepare the step (clipping, metrics) and leave its update pending: tenants stepping back to back
         then share update calls (worker/engine/deferred_steps.py)."""
         with self._lock:
+            if params.grad_clip_norm <= 0 and self.slots.park(adapter_id, partial(self._step_now, params=params)):
+                # Spilled: the step waits with it and is applied when it comes back. Without clipping its
+                # metrics need no gradient (`prepare_step`), so they are known now.
+                return OptimStepResult(metrics={"learning_rate:mean": params.learning_rate})
             if adapter_id in self.steps or not self.slots.is_resident(adapter_id):
                 self.apply_pending_steps()  # its own earlier step, or residency about to change
             state = self.slots.get(adapter_id)
@@ -238,6 +243,13 @@ class Engine:
             if ready:
                 self.steps.defer(state, params)
             return OptimStepResult(metrics=metrics)
+
+    def _step_now(self, state: AdapterState, params: AdamParams) -> None:
+        """Apply a step parked with a spilled adapter, now that it is back (before anything reads it)."""
+        _, ready = prepare_step(state, params)
+        if ready:
+            self.steps.defer(state, params)
+            self.steps.apply_all()
 
     # -- sampling and checkpoints are added by their own modules ------------------------------------
     def sample(self, works: Sequence[SampleWork]) -> list[SampleResult | WorkError]:
