@@ -83,6 +83,26 @@ def test_holds_stay_within_their_budget() -> None:
     assert holds and max(holds) <= 0.03 + 1e-9
 
 
+def test_no_hold_while_a_full_pass_is_queued() -> None:
+    """A pass holds at most `max_adapters_per_pass` models: with that many queued nobody could join it, so
+    waiting would only idle the engine (at 512 tenants hundreds of models are queued)."""
+    limits = SchedulerLimits(max_adapters_per_pass=4)
+    clients = [Client(f"t{i}", 32, TURNAROUND_S, start_s=i * 0.013) for i in range(8)]
+    sim = ClosedLoopSim(limits, CPU, clients)
+    held_with: list[int] = []
+    step = sim.scheduler.step
+
+    def recording_step():  # type: ignore[no-untyped-def]
+        plan = step()
+        if plan.hold_s is not None:  # nothing was dispatched: the queue is what the hold decision saw
+            held_with.append(len(sim.scheduler.stats().queued_by_model))
+        return plan
+
+    sim.scheduler.step = recording_step  # type: ignore[method-assign]
+    sim.run(10.0)
+    assert held_with and max(held_with) < limits.max_adapters_per_pass
+
+
 def test_a_tiny_hold_budget_keeps_the_old_behaviour() -> None:
     report, _ = eight_trainers(SchedulerLimits(max_hold_seconds=0.0005))
     assert report.mean_tenants_per_pass < 3
