@@ -274,29 +274,29 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     return run
 
 
-def metric_total(server: Server, name: str) -> float | None:
-    """The sum of a counter over its label sets on the server's /metrics; None if it exports none."""
+def metric_lines(server: Server, prefix: str) -> list[str]:
+    """The server's /metrics sample lines starting with `prefix`; [] if it cannot be read."""
     try:
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+        return []
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def metric_total(server: Server, name: str) -> float | None:
+    """The sum of a counter over its label sets on the server's /metrics; None if it exports none."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metric_lines(server, name)]
     return sum(values) if values else None
 
 
 def queue_wait_buckets(server: Server) -> list[tuple[float, float]]:
     """(le, cumulative count) of the server's queue-wait histogram, summed over its label sets; [] if /metrics
     exports none."""
-    try:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return []
     counts: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("carpool_queue_wait_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            bound = float("inf") if le == "+Inf" else float(le)
-            counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    for line in metric_lines(server, "carpool_queue_wait_seconds_bucket"):
+        le = line.split('le="', 1)[1].split('"', 1)[0]
+        bound = float("inf") if le == "+Inf" else float(le)
+        counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
     return sorted(counts.items())
 
 

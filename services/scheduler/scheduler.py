@@ -288,7 +288,9 @@ class Scheduler:
                 # and the adapters a pass may hold: with a full pass queued, nobody could join it.
                 queued = sum(r.num_tokens for run in runs for r in run)
                 has_room = queued < self.limits.max_tokens_per_pass and len(runs) < self.limits.max_adapters_per_pass
-                hold = self._hold(PASS, {run[0].tenant_id for run in runs}, has_room, self._heavy_hold_cap(budget))
+                # The cap scans every contending tenant: only worth it when a hold is possible at all.
+                cap = self._heavy_hold_cap(budget) if has_room else None
+                hold = self._hold(PASS, {run[0].tenant_id for run in runs}, has_room, cap)
                 if hold is not None:
                     return (), hold
             chosen = self._packer.pack(runs, self.limits, budget) if runs else []

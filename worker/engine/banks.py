@@ -121,11 +121,12 @@ class ClassBank:
 
     def _adopt_grads(self, state: AdapterState, slot: int) -> bool:
         """An adapter coming back with a pending gradient keeps it, in its rows; True if it had one."""
-        if all(p.grad is None for p in state.params.values()):
-            return False
         rows = self.rows("grad", slot)
-        present = [(row, grad) for key, row in rows if (grad := state.params[key].grad) is not None]
-        missing = [row for key, row in rows if state.params[key].grad is None]
+        pairs = [(row, state.params[key].grad) for key, row in rows]
+        present = [(row, grad) for row, grad in pairs if grad is not None]
+        if not present:
+            return False
+        missing = [row for row, grad in pairs if grad is None]
         torch._foreach_copy_([row for row, _ in present], [grad for _, grad in present])
         if missing:
             torch._foreach_zero_(missing)
