@@ -80,6 +80,8 @@ class Run:
     """Spilled adapters brought back (`carpool_adapter_reloads_total`) during the measured time."""
     steps: int = 0
     """forward_backward calls completed in the measured time."""
+    connections: int = 0
+    """The server's open sockets at the end of the measured time (the SDK keeps ~3 per client)."""
 
     @property
     def reloads_per_step(self) -> float:
@@ -126,6 +128,22 @@ def rss_mb(pid: int) -> float:
         except OSError:
             continue
     return total / 1024
+
+
+def open_sockets(pid: int) -> int:
+    """Sockets the server process and its children hold open (client connections, database, Redis), from /proc."""
+    total = 0
+    for child in [pid, *_children(pid)]:
+        try:
+            fds = list(Path(f"/proc/{child}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                total += os.readlink(fd).startswith("socket:")
+            except OSError:
+                continue  # closed meanwhile
+    return total
 
 
 def cpu_s(pid: int) -> float:
@@ -256,6 +274,7 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
         run.rss_mb.append(rss_mb(server.process.pid))
         time.sleep(1.0)
     run.seconds = time.monotonic() - began
+    run.connections = open_sockets(server.process.pid)
     run.server_cpu = (cpu_s(server.process.pid) - server_cpu) / run.seconds
     run.client_cpu = (sum(cpu_s(pid) for pid in pids) - client_cpu) / run.seconds
     for _ in workers:
@@ -319,13 +338,14 @@ def p(values: list[float], q: float) -> float:
 
 def report(runs: list[Run], rss_start: float, rss_end: float, tokens: int) -> None:
     print(f"{'N':>5} {'tok/s':>8} {'fb p50':>8} {'fb p95':>8} {'opt p50':>8} {'opt p95':>8} {'wait p95':>9} "
-          f"{'errors':>6} {'rss MiB':>8} {'rss Δ%':>6} {'srv cpu':>7} {'cli cpu':>7} {'procs':>5} {'reloads/step':>12}")
+          f"{'errors':>6} {'rss MiB':>8} {'rss Δ%':>6} {'srv cpu':>7} {'cli cpu':>7} {'procs':>5} {'reloads/step':>12} "
+          f"{'sockets':>7}")
     for r in runs:
         wait = f"{r.wait_p95_ms:.0f}" if r.wait_p95_ms is not None else "n/a"
         print(f"{r.tenants:>5} {r.tokens_per_s:>8.1f} {p(r.rtt['fb'], 50):>8.0f} {p(r.rtt['fb'], 95):>8.0f} "
               f"{p(r.rtt['optim'], 50):>8.0f} {p(r.rtt['optim'], 95):>8.0f} {wait:>9} {r.errors:>6} "
               f"{max(r.rss_mb, default=0):>8.0f} {r.rss_window_growth_pct:>6.1f} {r.server_cpu:>7.2f} "
-              f"{r.client_cpu:>7.2f} {r.client_procs:>5} {r.reloads_per_step:>12.2f}")
+              f"{r.client_cpu:>7.2f} {r.client_procs:>5} {r.reloads_per_step:>12.2f} {r.connections:>7}")
     big = max(runs, key=lambda r: r.tenants)
     small = min((r for r in runs if r.tenants >= 8), key=lambda r: r.tenants, default=runs[0])
     ratio = big.tokens_per_s / small.tokens_per_s if small.tokens_per_s else float("nan")
@@ -336,6 +356,9 @@ def report(runs: list[Run], rss_start: float, rss_end: float, tokens: int) -> No
           f"trained tokens/s of many small tenants with few; rss growth: from the end of the first N to the end, "
           f"so it includes every later N's new tenants; rss Δ%: over one N's measured time; cpu: cores used, of "
           f"{os.cpu_count()})")
+    if big.connections > small.connections and big.rss_mb and small.rss_mb:
+        per_socket = (big.rss_mb[-1] - small.rss_mb[-1]) * 1024 / (big.connections - small.connections)
+        print(f"rss added per added open socket, N={small.tenants} to N={big.tenants}: {per_socket:.0f} KiB")
     print(f"RESULT tokens_per_s_512_vs_8={ratio:.2f} p95_wait_512_ms={wait} "
           f"errors={sum(r.errors for r in runs)} rss_growth_pct={growth:.1f}")
 

@@ -6,6 +6,10 @@ into a `Tenant` (None = reject with 401) and, for `DELETE /api/v1/auth/apikey/me
 caller authenticated with. `DatabaseAuthenticator` implements it over `services.auth.tenants` and a
 `services.db.Database`, running the (synchronous) SQLAlchemy work in a thread and caching successful
 lookups for a few seconds so long-polls and chunked forward_backward calls do not each hit the database.
+Keys in use are re-checked together (`services.auth.tenants.revalidate`, one statement for all of them)
+every half cache interval rather than looked up one by one when their entries expire: with 512 tenants
+each calling every few seconds, nearly every request missed a 5 s cache, and those lookups were 12 % of
+the server's samples (py-spy, bench/load.py).
 With an `InvalidationBus` (Redis pub/sub in cluster mode, `services.auth.invalidation`), a revocation
 through one gateway reaches the others' caches at once. Failed lookups are remembered too, for less
 time, so a flood of one bad key costs one lookup per `failure_seconds` rather than one per request (the
@@ -30,8 +34,9 @@ from typing import Protocol
 
 from services.auth.invalidation import Invalidation
 from services.auth.keys import KEY_PREFIX
-from services.auth.tenants import Tenant, authenticate
+from services.auth.tenants import Tenant, authenticate, revalidate
 from services.db.database import Database
+from services.db.ids import ApiKeyId
 from services.db.tenants import revoke_api_key
 
 log = logging.getLogger(__name__)
@@ -97,17 +102,21 @@ class DatabaseAuthenticator:
     """`Authenticator` over the tenants/api_keys tables, with short caches of successes and failures.
 
     A revoked key stops working here at once when revoked through this instance, elsewhere after at most
-    `cache_seconds`. A failed key is answered from memory for `failure_seconds` (both caches are keyed by a
-    SHA-256 digest of the key and bounded in size, least recently used first out); a newly issued key was
-    never presented before, so it works immediately.
+    `cache_seconds`: an entry is good for `cache_seconds` from the start of the check that last found the key
+    live. The first request after half of that since the last check re-checks every key used meanwhile in
+    one transaction (`_sweep`); a key nobody used is not re-checked and simply expires. A failed key is
+    answered from memory for `failure_seconds` (both caches are keyed by a SHA-256 digest of the key and
+    bounded in size, least recently used first out); a newly issued key was never presented before, so it
+    works immediately.
     """
 
     def __init__(
         self, database: Database, *, pepper: bytes | None = None, cache_seconds: float = 5.0,
         cache_size: int = 10_000, failure_seconds: float = 2.0, failure_cache_size: int = 10_000,
-        bus: InvalidationBus | None = None,
+        bus: InvalidationBus | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._database = database
+        self._clock = clock
         self._pepper = pepper
         self._cache_seconds = cache_seconds
         self._cache_size = cache_size
@@ -118,6 +127,10 @@ class DatabaseAuthenticator:
         """Digest of a key whose lookup failed → monotonic time until which it is refused from memory."""
         # The caches are used on the event loop and invalidated from the bus's listener thread.
         self._lock = threading.Lock()
+        self._used: set[str] = set()
+        """Digests answered from the cache since the last sweep: the keys the next sweep re-checks."""
+        self._next_sweep = 0.0
+        self._sweeping = False
         self._bus = bus
         if bus is not None and not bus.subscribe(self.invalidate):
             log.warning("auth invalidations not subscribed yet; revocations elsewhere apply after the cache TTL")
@@ -125,13 +138,22 @@ class DatabaseAuthenticator:
     async def authenticate(self, api_key: str) -> Tenant | None:
         # The cache is keyed by a digest so the process never holds raw keys beyond the request.
         digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             hit = self._cache.get(digest)
             if hit is not None and hit.expires_at > now:
-                return hit.tenant
-            if self._failures.get(digest, 0.0) > now:
+                self._used.add(digest)
+                if not self._claim_sweep(now):
+                    return hit.tenant
+            elif self._failures.get(digest, 0.0) > now:
                 return None
+            else:
+                hit = None
+        if hit is not None:
+            await self._sweep()
+            with self._lock:  # the sweep refreshed the entry, or dropped it because the key no longer works
+                entry = self._cache.get(digest)
+            return entry.tenant if entry is not None and entry.expires_at > now else None
         tenant = await asyncio.to_thread(self._lookup, api_key)
         with self._lock:
             if tenant is None:
@@ -163,6 +185,46 @@ class DatabaseAuthenticator:
                 del self._cache[digest]
                 self._remember_failure(digest)
 
+    def _claim_sweep(self, now: float) -> bool:
+        """Whether the caller (holding the lock) is to run the sweep that is due now."""
+        if self._sweeping or now < self._next_sweep:
+            return False
+        self._sweeping, self._next_sweep = True, now + self._cache_seconds / 2
+        return True
+
+    async def _sweep(self) -> None:
+        """Re-check every key used since the last sweep in one transaction: a live one's entry is good for
+        another `cache_seconds` from the check's start, with its tenant re-read; a revoked or disabled one is
+        dropped and remembered as a failure. Entries invalidated or replaced meanwhile are left as they are.
+        A failed check changes nothing: entries then expire and each key is looked up on its own again."""
+        started = self._clock()
+        with self._lock:
+            batch = {d: self._cache[d] for d in self._used if d in self._cache}
+            self._used.clear()
+        key_ids = [c.tenant.api_key_id for c in batch.values() if c.tenant.api_key_id is not None]
+        try:
+            live = await asyncio.to_thread(self._revalidate, key_ids)
+        except Exception:
+            log.exception("re-checking %d cached API keys failed; they will be looked up one by one", len(key_ids))
+            return
+        finally:
+            with self._lock:
+                self._sweeping = False
+        with self._lock:
+            for digest, cached in batch.items():
+                if self._cache.get(digest) is not cached or cached.tenant.api_key_id is None:
+                    continue
+                tenant = live.get(cached.tenant.api_key_id)
+                if tenant is None:
+                    del self._cache[digest]
+                    self._remember_failure(digest)
+                else:
+                    self._cache[digest] = _Cached(tenant, started + self._cache_seconds)
+
+    def _revalidate(self, key_ids: list[ApiKeyId]) -> dict[ApiKeyId, Tenant]:
+        with self._database.sessions.begin() as session:
+            return revalidate(session, key_ids)
+
     def _lookup(self, api_key: str) -> Tenant | None:
         with self._database.sessions.begin() as session:
             return authenticate(session, api_key, pepper=self._pepper)
@@ -175,7 +237,7 @@ class DatabaseAuthenticator:
     def _remember_failure(self, digest: str) -> None:
         if self._failure_seconds <= 0 or self._failure_cache_size <= 0:
             return
-        self._failures[digest] = time.monotonic() + self._failure_seconds
+        self._failures[digest] = self._clock() + self._failure_seconds
         self._failures.move_to_end(digest)
         while len(self._failures) > self._failure_cache_size:
             self._failures.popitem(last=False)
@@ -183,7 +245,10 @@ class DatabaseAuthenticator:
     def _remember(self, digest: str, tenant: Tenant) -> None:
         if self._cache_seconds <= 0 or self._cache_size <= 0:
             return
-        self._cache[digest] = _Cached(tenant, time.monotonic() + self._cache_seconds)
+        now = self._clock()
+        self._cache[digest] = _Cached(tenant, now + self._cache_seconds)
+        if not self._next_sweep:  # the first entry: the first sweep is due half an interval later
+            self._next_sweep = now + self._cache_seconds / 2
         self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

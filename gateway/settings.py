@@ -134,7 +134,8 @@ class GatewaySettings(BaseSettings):
         default=5.0,
         ge=0,
         description="How long a successful API-key lookup is reused (0 = look up every request); bounds "
-        "how long a revoked key keeps working on other replicas.",
+        "how long a revoked key keeps working on other replicas. Keys in use are re-checked together, in one "
+        "statement, every half of this.",
     )
     auth_cache_size: int = Field(default=10_000, ge=0, description="Most cached API-key lookups.")
 

@@ -7,6 +7,7 @@ caller (None), so a probe cannot tell which of them it hit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -21,8 +22,10 @@ from services.db.tenants import (
     add_api_key,
     create_tenant,
     find_api_key_with_tenant,
+    find_live_keys_with_tenants,
     tenant_quotas,
     touch_api_key,
+    touch_api_keys,
 )
 
 
@@ -116,3 +119,15 @@ def authenticate(
     if record_use and _use_is_stale(key_row.last_used_at, now := now or utcnow()):
         touch_api_key(db, ApiKeyId(key_row.id), now=now, min_interval_s=TOUCH_INTERVAL_S)
     return Tenant.from_row(tenant_row, ApiKeyId(key_row.id))
+
+
+def revalidate(db: Session, key_ids: Sequence[ApiKeyId], *, now: datetime | None = None) -> dict[ApiKeyId, Tenant]:
+    """The tenants behind those of `key_ids` that still work (not revoked, tenant not disabled), re-read, and
+    their uses recorded like `authenticate`'s (a write when one is stale: commit afterwards). A key missing
+    from the answer no longer authenticates anyone."""
+    now = now or utcnow()
+    live = find_live_keys_with_tenants(db, key_ids)
+    stale = [key_id for key_id, last_used, _ in live if _use_is_stale(last_used, now)]
+    if stale:
+        touch_api_keys(db, stale, now=now, min_interval_s=TOUCH_INTERVAL_S)
+    return {key_id: Tenant.from_row(row, key_id) for key_id, _, row in live}

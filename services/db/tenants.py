@@ -7,6 +7,7 @@ deliberately unscoped read: they are how a request's tenant is determined in the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -153,8 +154,35 @@ def revoke_api_keys_by_prefix(
 
 def touch_api_key(db: Session, key_id: ApiKeyId, *, now: datetime, min_interval_s: float = 60.0) -> None:
     """Record a use of the key, at most once per `min_interval_s` (so auth is not a write per request)."""
+    touch_api_keys(db, [key_id], now=now, min_interval_s=min_interval_s)
+
+
+def touch_api_keys(db: Session, key_ids: Sequence[ApiKeyId], *, now: datetime, min_interval_s: float = 60.0) -> None:
+    """`touch_api_key` for many keys in one statement per `KEY_BATCH` keys."""
     cutoff = now - timedelta(seconds=min_interval_s)
-    stmt = update(ApiKeyRow).where(
-        ApiKeyRow.id == key_id, or_(ApiKeyRow.last_used_at.is_(None), ApiKeyRow.last_used_at < cutoff)
-    )
-    db.execute(stmt.values(last_used_at=now))
+    for start in range(0, len(key_ids), KEY_BATCH):
+        stmt = update(ApiKeyRow).where(
+            ApiKeyRow.id.in_(key_ids[start:start + KEY_BATCH]),
+            or_(ApiKeyRow.last_used_at.is_(None), ApiKeyRow.last_used_at < cutoff),
+        )
+        db.execute(stmt.values(last_used_at=now))
+
+
+KEY_BATCH = 500
+"""Key ids per `IN (...)` list: far below SQLite's and PostgreSQL's bound-parameter limits."""
+
+
+def find_live_keys_with_tenants(
+    db: Session, key_ids: Sequence[ApiKeyId]
+) -> list[tuple[ApiKeyId, datetime | None, TenantRow]]:
+    """Of `key_ids`, those not revoked whose tenant is not disabled: (key id, its `last_used_at`, the tenant's
+    row). How a gateway re-checks every key it holds in its cache with one statement per `KEY_BATCH` keys
+    instead of one lookup per key and cache interval."""
+    out: list[tuple[ApiKeyId, datetime | None, TenantRow]] = []
+    for start in range(0, len(key_ids), KEY_BATCH):
+        stmt = (select(ApiKeyRow.id, ApiKeyRow.last_used_at, TenantRow)
+                .join(TenantRow, TenantRow.id == ApiKeyRow.tenant_id)
+                .where(ApiKeyRow.id.in_(key_ids[start:start + KEY_BATCH]), ApiKeyRow.revoked_at.is_(None),
+                       TenantRow.disabled.is_(False)))
+        out.extend((ApiKeyId(key_id), last_used, tenant) for key_id, last_used, tenant in db.execute(stmt))
+    return out
