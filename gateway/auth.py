@@ -103,8 +103,10 @@ class DatabaseAuthenticator:
 
     A revoked key stops working here at once when revoked through this instance, elsewhere after at most
     `cache_seconds`: an entry is good for `cache_seconds` from the start of the check that last found the key
-    live. The first request after half of that since the last check re-checks every key used meanwhile in
-    one transaction (`_sweep`); a key nobody used is not re-checked and simply expires. A failed key is
+    live. The first request after half of that since the last check re-checks, in one transaction
+    (`_sweep`), every key presented within `recheck_idle_seconds` (a tenant of a busy server may call less
+    often than once per cache interval: its entry must not lapse between its calls); a key idle longer is
+    not re-checked and simply expires. A failed key is
     answered from memory for `failure_seconds` (both caches are keyed by a SHA-256 digest of the key and
     bounded in size, least recently used first out); a newly issued key was never presented before, so it
     works immediately.
@@ -114,6 +116,7 @@ class DatabaseAuthenticator:
         self, database: Database, *, pepper: bytes | None = None, cache_seconds: float = 5.0,
         cache_size: int = 10_000, failure_seconds: float = 2.0, failure_cache_size: int = 10_000,
         bus: InvalidationBus | None = None, clock: Callable[[], float] = time.monotonic,
+        recheck_idle_seconds: float = 60.0,
     ) -> None:
         self._database = database
         self._clock = clock
@@ -127,8 +130,10 @@ class DatabaseAuthenticator:
         """Digest of a key whose lookup failed → monotonic time until which it is refused from memory."""
         # The caches are used on the event loop and invalidated from the bus's listener thread.
         self._lock = threading.Lock()
-        self._used: set[str] = set()
-        """Digests answered from the cache since the last sweep: the keys the next sweep re-checks."""
+        self._used: dict[str, float] = {}
+        """Digest → when the key was last presented; a sweep re-checks those presented within
+        `recheck_idle_seconds` and forgets older ones."""
+        self._recheck_idle_seconds = recheck_idle_seconds
         self._next_sweep = 0.0
         self._sweeping = False
         self._bus = bus
@@ -142,7 +147,7 @@ class DatabaseAuthenticator:
         with self._lock:
             hit = self._cache.get(digest)
             if hit is not None and hit.expires_at > now:
-                self._used.add(digest)
+                self._used[digest] = now
                 if not self._claim_sweep(now):
                     return hit.tenant
             elif self._failures.get(digest, 0.0) > now:
@@ -193,14 +198,17 @@ class DatabaseAuthenticator:
         return True
 
     async def _sweep(self) -> None:
-        """Re-check every key used since the last sweep in one transaction: a live one's entry is good for
+        """Re-check every key presented recently in one transaction: a live one's entry is good for
         another `cache_seconds` from the check's start, with its tenant re-read; a revoked or disabled one is
         dropped and remembered as a failure. Entries invalidated or replaced meanwhile are left as they are.
         A failed check changes nothing: entries then expire and each key is looked up on its own again."""
         started = self._clock()
         with self._lock:
-            batch = {d: self._cache[d] for d in self._used if d in self._cache}
-            self._used.clear()
+            idle = [d for d, at in self._used.items()
+                    if at < started - self._recheck_idle_seconds or d not in self._cache]
+            for digest in idle:
+                del self._used[digest]
+            batch = {d: self._cache[d] for d in self._used}
         key_ids = [c.tenant.api_key_id for c in batch.values() if c.tenant.api_key_id is not None]
         try:
             live = await asyncio.to_thread(self._revalidate, key_ids)
@@ -247,11 +255,13 @@ class DatabaseAuthenticator:
             return
         now = self._clock()
         self._cache[digest] = _Cached(tenant, now + self._cache_seconds)
+        self._used[digest] = now
         if not self._next_sweep:  # the first entry: the first sweep is due half an interval later
             self._next_sweep = now + self._cache_seconds / 2
         self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+            forgotten, _ = self._cache.popitem(last=False)
+            self._used.pop(forgotten, None)
 
 
 def _matches(invalidation: Invalidation, tenant: Tenant) -> bool:

@@ -76,6 +76,22 @@ def test_keys_in_use_are_rechecked_together_not_looked_up_one_by_one(database: D
         assert len(sql) <= 2, sql
 
 
+def test_a_key_presented_less_often_than_the_cache_interval_stays_cached_while_in_use(database: Database) -> None:
+    """At 512 tenants a client may call every 10-15 s (its step waits behind the others'): longer than the
+    cache interval, so a re-check of only the keys used since the last one let its entry lapse between calls."""
+    issued = _tenants(database, 6)
+    driver, sparse = issued[0][1].key, [key.key for _, key in issued[1:]]
+    clock = Clock()
+    auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, clock=clock)
+    assert all(_all(auth, [driver, *sparse]))
+    with _statements(database) as sql:
+        for step in range(1, 16):  # 60 s: the driver calls every 4 s, the others every 12 s
+            clock.now = 1000.0 + 4.0 * step
+            assert all(_all(auth, [driver, *sparse] if step % 3 == 0 else [driver]))
+    assert not [statement for statement in sql if "key_hash" in statement], "a key in use was looked up again"
+    assert 0 < len(sql) <= 2 * 15
+
+
 def test_a_key_revoked_or_a_tenant_disabled_elsewhere_stops_working_within_the_cache_interval(
         database: Database) -> None:
     (revoked, revoked_key), (disabled, disabled_key), (_, kept_key) = _tenants(database, 3)
