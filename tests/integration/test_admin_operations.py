@@ -43,6 +43,7 @@ from services.hub.runner import PushRunner
 from services.hub.service import HubPushService
 from tests.e2e.admin_login import form_token, login
 from tests.e2e.cluster_mode import wipe_prefix
+from tests.fake_clock import FakeClock
 from tests.hub_fakes import FakeHfApi, FakeHTTPError, FakeMsHubApi
 from tests.required import require_redis
 
@@ -50,21 +51,11 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 WINDOW_S = 60.0
 
 
-class FakeClock:
-    """The token buckets' clock, frozen unless a test moves it: levels and refill times are exact."""
-
-    def __init__(self) -> None:
-        self.now = 5000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # -- the stores ----------------------------------------------------------------------------------------
 @pytest.fixture(params=["memory", "redis"])
 def store(request: pytest.FixtureRequest) -> Iterator[QuotaStore]:
     if request.param == "memory":
-        yield InProcessQuotaStore(clock=FakeClock())
+        yield InProcessQuotaStore(clock=FakeClock(5000.0))
         return
     import redis
 
@@ -100,7 +91,7 @@ def test_level_reads_the_bucket_without_taking(store: QuotaStore) -> None:
 
 
 def test_level_follows_the_refill() -> None:
-    clock = FakeClock()  # moved by hand (on Redis, the tests above use a window too long to refill)
+    clock = FakeClock(5000.0)  # moved by hand (on Redis, the tests above use a window too long to refill)
     store = InProcessQuotaStore(clock=clock)
     store.take("r", 100, 100, WINDOW_S)
     clock.now += WINDOW_S / 4
@@ -192,7 +183,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     data_dir = tmp_path_factory.mktemp("admin-operations")
-    clock = FakeClock()
+    clock = FakeClock(5000.0)
     options = ControlOptions(scratch_dir=data_dir / "scratch", quotas=QuotaOptions(token_window_s=WINDOW_S))
     h = build_harness(database_url_for_data_dir(data_dir), tiny_model_dir, data_dir, options=options,
                       quota_store=InProcessQuotaStore(clock=clock))

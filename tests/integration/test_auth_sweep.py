@@ -21,16 +21,9 @@ from services.db import Database
 from services.db.ids import ApiKeyId
 from services.db.models import TenantRow
 from services.db.tenants import revoke_api_key
+from tests.fake_clock import FakeClock
 
 CACHE_S = 10.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @contextmanager
@@ -63,7 +56,7 @@ def _all(auth: DatabaseAuthenticator, keys: list[str]) -> list[Tenant | None]:
 def test_keys_in_use_are_rechecked_together_not_looked_up_one_by_one(database: Database) -> None:
     issued = _tenants(database, 20)
     keys = [key.key for _, key in issued]
-    clock = Clock()
+    clock = FakeClock()
     auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, clock=clock)
     with _statements(database) as sql:
         assert [t.id for t in _all(auth, keys) if t] == [t.id for t, _ in issued]
@@ -81,7 +74,7 @@ def test_a_key_presented_less_often_than_the_cache_interval_stays_cached_while_i
     cache interval, so a re-check of only the keys used since the last one let its entry lapse between calls."""
     issued = _tenants(database, 6)
     driver, sparse = issued[0][1].key, [key.key for _, key in issued[1:]]
-    clock = Clock()
+    clock = FakeClock()
     auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, clock=clock)
     assert all(_all(auth, [driver, *sparse]))
     with _statements(database) as sql:
@@ -96,7 +89,7 @@ def test_a_key_revoked_or_a_tenant_disabled_elsewhere_stops_working_within_the_c
         database: Database) -> None:
     (revoked, revoked_key), (disabled, disabled_key), (_, kept_key) = _tenants(database, 3)
     keys = [revoked_key.key, disabled_key.key, kept_key.key]
-    clock = Clock()
+    clock = FakeClock()
     auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, failure_seconds=3600, clock=clock)
     assert all(_all(auth, keys))
     with database.sessions.begin() as db:  # as another gateway without a bus, or the CLI, would
@@ -113,7 +106,7 @@ def test_a_key_revoked_or_a_tenant_disabled_elsewhere_stops_working_within_the_c
 
 def test_a_revocation_during_a_recheck_is_not_undone(database: Database) -> None:
     (tenant, issued), (_, other) = _tenants(database, 2)
-    clock = Clock()
+    clock = FakeClock()
     auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, failure_seconds=3600, clock=clock)
     assert all(_all(auth, [issued.key, other.key]))
     recheck = auth._revalidate
@@ -133,7 +126,7 @@ def test_a_revocation_during_a_recheck_is_not_undone(database: Database) -> None
 
 def test_a_recheck_reads_the_tenants_changed_quotas(database: Database) -> None:
     [(tenant, issued)] = _tenants(database, 1)
-    clock = Clock()
+    clock = FakeClock()
     auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, clock=clock)
     [before] = _all(auth, [issued.key])
     assert before is not None and before.quotas.max_models is None

@@ -38,19 +38,12 @@ from services.db.ids import ModelId, TenantId
 from services.db.request_log import list_requests
 from services.db.tenants import TenantQuotas, get_tenant_by_name
 from services.domain.training import AdamParams, Datum, ForwardBackwardWork, LoraSpec
+from tests.fake_clock import FakeClock
 from tests.integration.conftest import BASE, Harness, build_harness
 from tests.required import require_redis
 
 REDIS_URL = os.environ.get("CARPOOL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 WINDOW_S = 2.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -37,6 +37,7 @@ from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWor
 from services.runtime import LoopConfig, SchedulerLoop
 from services.scheduler import Scheduler
 from services.storage import LocalCheckpointStore, UrlSigner
+from tests.fake_clock import FakeClock
 
 BASE = "tiny-base"
 DATUM_TOKENS = 5
@@ -46,16 +47,6 @@ TENANTS = {
     "models": TenantQuotas(max_models=1),
     "plain": TenantQuotas(),
 }
-
-
-class FakeClock:
-    """The token buckets' clock: frozen unless a test moves it, so a Retry-After is exact, not ± jitter."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
