@@ -156,9 +156,11 @@ class DatabaseAuthenticator:
                 hit = None
         if hit is not None:
             await self._sweep()
-            with self._lock:  # the sweep refreshed the entry, or dropped it because the key no longer works
-                entry = self._cache.get(digest)
-            return entry.tenant if entry is not None and entry.expires_at > now else None
+            known = self._known(digest, now)
+            if known is not None:
+                return known or None
+            # Forgotten meanwhile without being refused (the whole cache dropped when the invalidation bus
+            # resubscribed, or evicted): look the key up like a new one, not a 401.
         tenant = await asyncio.to_thread(self._lookup, api_key)
         with self._lock:
             if tenant is None:
@@ -189,6 +191,15 @@ class DatabaseAuthenticator:
             for digest in [d for d, c in self._cache.items() if _matches(invalidation, c.tenant)]:
                 del self._cache[digest]
                 self._remember_failure(digest)
+
+    def _known(self, digest: str, now: float) -> Tenant | bool | None:
+        """After a sweep: the key's tenant if its entry is live, False if it is remembered as refused (the
+        sweep or an invalidation found it revoked), None if this gateway no longer knows either way."""
+        with self._lock:
+            entry = self._cache.get(digest)
+            if entry is not None and entry.expires_at > now:
+                return entry.tenant
+            return False if self._failures.get(digest, 0.0) > now else None
 
     def _claim_sweep(self, now: float) -> bool:
         """Whether the caller (holding the lock) is to run the sweep that is due now."""

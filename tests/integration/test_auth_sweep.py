@@ -124,6 +124,26 @@ def test_a_revocation_during_a_recheck_is_not_undone(database: Database) -> None
     assert seen.is_set()
 
 
+def test_a_cache_dropped_during_a_recheck_looks_the_key_up_again_rather_than_refusing_it(database: Database) -> None:
+    """A gateway whose invalidation bus resubscribes forgets its whole cache (it may have missed revocations);
+    a request whose re-check ran meanwhile found its entry gone. Make chaos (a Redis restart) saw a 401 here."""
+    [(tenant, issued)] = _tenants(database, 1)
+    clock = FakeClock()
+    auth = DatabaseAuthenticator(database, cache_seconds=CACHE_S, failure_seconds=3600, clock=clock)
+    assert all(_all(auth, [issued.key]))
+    recheck = auth._revalidate
+
+    def cache_dropped_meanwhile(key_ids: list[ApiKeyId]) -> dict[ApiKeyId, Tenant]:
+        answer = recheck(key_ids)
+        auth.invalidate(Invalidation.everything())
+        return answer
+
+    auth._revalidate = cache_dropped_meanwhile  # type: ignore[method-assign]
+    clock.now += CACHE_S / 2 + 0.1
+    [again] = _all(auth, [issued.key])
+    assert again is not None and again.id == tenant.id
+
+
 def test_a_recheck_reads_the_tenants_changed_quotas(database: Database) -> None:
     [(tenant, issued)] = _tenants(database, 1)
     clock = FakeClock()
