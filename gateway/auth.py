@@ -106,10 +106,9 @@ class DatabaseAuthenticator:
     live. The first request after half of that since the last check re-checks, in one transaction
     (`_sweep`), every key presented within `recheck_idle_seconds` (a tenant of a busy server may call less
     often than once per cache interval: its entry must not lapse between its calls); a key idle longer is
-    not re-checked and simply expires. A failed key is
-    answered from memory for `failure_seconds` (both caches are keyed by a SHA-256 digest of the key and
-    bounded in size, least recently used first out); a newly issued key was never presented before, so it
-    works immediately.
+    not re-checked and simply expires. A failed key is answered from memory for `failure_seconds` (both
+    caches are keyed by a SHA-256 digest of the key and bounded in size, least recently used first out); a
+    newly issued key was never presented before, so it works immediately.
     """
 
     def __init__(

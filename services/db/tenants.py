@@ -152,6 +152,10 @@ def revoke_api_keys_by_prefix(
     return execute_count(db, stmt.values(revoked_at=now or utcnow()))
 
 
+KEY_BATCH = 500
+"""Key ids per `IN (...)` list: far below SQLite's and PostgreSQL's bound-parameter limits."""
+
+
 def touch_api_key(db: Session, key_id: ApiKeyId, *, now: datetime, min_interval_s: float = 60.0) -> None:
     """Record a use of the key, at most once per `min_interval_s` (so auth is not a write per request)."""
     touch_api_keys(db, [key_id], now=now, min_interval_s=min_interval_s)
@@ -166,10 +170,6 @@ def touch_api_keys(db: Session, key_ids: Sequence[ApiKeyId], *, now: datetime, m
             or_(ApiKeyRow.last_used_at.is_(None), ApiKeyRow.last_used_at < cutoff),
         )
         db.execute(stmt.values(last_used_at=now))
-
-
-KEY_BATCH = 500
-"""Key ids per `IN (...)` list: far below SQLite's and PostgreSQL's bound-parameter limits."""
 
 
 def find_live_keys_with_tenants(
