@@ -26,6 +26,7 @@ from gateway.blocking_pool import FairBlockingPool
 from gateway.deps import install_openapi
 from gateway.edge_limits import DecodePool, EdgeLimiter, EdgeLimitOptions
 from gateway.errors import install_error_handlers
+from gateway.hot_routes import HotRoutes, hot_endpoints
 from gateway.middleware import EdgeMiddleware
 from gateway.rendering import SampleRenderCache
 from gateway.routes import admin, custom_losses, futures, hub, projects, rest, sampling, service, training, weights
@@ -87,6 +88,8 @@ def create_app(settings: GatewaySettings, control: ControlPlane, auth: Authentic
     app.include_router(hub.router)
     if settings.metrics_enabled:
         _add_metrics_route(app, process_metrics, control)
+    if settings.hot_routes:  # added before EdgeMiddleware, so it runs inside it
+        app.add_middleware(HotRoutes, endpoints=hot_endpoints(app))
     app.add_middleware(EdgeMiddleware, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes,
                        limiter=EdgeLimiter(edge_limit_options(settings)))
     if admin_database is not None and settings.admin_enabled:

@@ -155,7 +155,7 @@ def _build(app: FastAPI) -> dict[str, Any]:
     )
     components: dict[str, Any] = schema.setdefault("components", {}).setdefault("schemas", {})
     schema["components"]["securitySchemes"] = SECURITY_SCHEMES
-    for route in _api_routes(app.routes):
+    for route in api_routes(app.routes):
         specs: tuple[BodySpec, ...] | None = getattr(route.endpoint, _BODY_ATTR, None)
         content = {ctype: {"schema": _schema_ref(model, components)} for ctype, model in specs or ()}
         authenticated = _depends_on(route.dependant, current_tenant)
@@ -174,14 +174,14 @@ def _depends_on(dependant: Dependant, call: Callable[..., Any]) -> bool:
     return any(d.call is call or _depends_on(d, call) for d in dependant.dependencies)
 
 
-def _api_routes(routes: Iterable[BaseRoute]) -> Iterator[APIRoute]:
+def api_routes(routes: Iterable[BaseRoute]) -> Iterator[APIRoute]:
     """Every `APIRoute`, also inside included routers (recent FastAPI keeps them nested)."""
     for route in routes:
         if isinstance(route, APIRoute):
             yield route
         nested = getattr(route, "original_router", None)
         if nested is not None:
-            yield from _api_routes(nested.routes)
+            yield from api_routes(nested.routes)
 
 
 def _schema_ref(model: type[BaseModel] | None, components: dict[str, Any]) -> dict[str, Any]:
