@@ -177,6 +177,7 @@ def _checkpoint_store(settings: ServiceSettings) -> CheckpointStore:
 
 def _control_options(settings: ServiceSettings) -> ControlOptions:
     return ControlOptions(long_poll_max_s=settings.long_poll_seconds,
+                          answered_result_s=settings.answered_result_seconds,
                           download_url_ttl_s=float(settings.download_url_ttl_seconds),
                           default_max_models=settings.default_max_models_per_tenant,
                           scratch_dir=settings.scratch_dir, quotas=_quota_options(settings))

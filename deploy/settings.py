@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.db.engine import database_url_for_data_dir, normalize_database_url
+from services.jobqueue.protocol import DEFAULT_ANSWERED_KEEP_S
 from services.scheduler.pacing import DEFAULT_PASS_LATENCY_FACTOR
 
 DEFAULT_BASE_MODELS = ["HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m"]
@@ -87,6 +88,10 @@ class ServiceSettings(BaseSettings):
     max_lora_rank: int = Field(256, ge=1, description="Largest LoRA rank a tenant may ask for.")
     long_poll_seconds: float = Field(25.0, gt=0, lt=40, description=(
         "Longest a retrieve_future call is held open before answering try_again (the SDK times out at 45)."))
+    answered_result_seconds: float = Field(DEFAULT_ANSWERED_KEEP_S, ge=0, description=(
+        "How long a result stays in the result store after it was answered to its owner (a retry of a lost "
+        "response; 0: dropped at once). Results nobody retrieved yet stay an hour. The SDK fetches each "
+        "result once, so this bounds the store's memory: results per second x this many seconds."))
     batch_window_ms: float = Field(5.0, ge=0, description=(
         "How long the scheduler waits after work arrives for more, so tenants' requests share a pass."))
     batch_window_adaptive: bool = Field(True, description=(

@@ -32,7 +32,14 @@ from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, Te
 from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
 from services.db.statements import core
 from services.domain.training import WorkError
-from services.jobqueue.protocol import Notifier, ResultStatus, ResultStore, StoredResult, WorkQueue
+from services.jobqueue.protocol import (
+    DEFAULT_ANSWERED_KEEP_S,
+    Notifier,
+    ResultStatus,
+    ResultStore,
+    StoredResult,
+    WorkQueue,
+)
 from services.scheduler.requests import ModelId as QueueModelId
 from services.scheduler.requests import QueuedRequest, RequestKind
 from services.scheduler.requests import RequestId as QueueRequestId
@@ -46,6 +53,10 @@ _T = TypeVar("_T")
 class ControlOptions:
     long_poll_max_s: float = 30.0
     """Longest a `retrieve` holds (the SDK's read timeout is 45 s)."""
+    answered_result_s: float = DEFAULT_ANSWERED_KEEP_S
+    """How long a result stays in the result store once `retrieve` answered it to its owner (for a retry of a
+    lost response; 0: dropped at once). Unretrieved results keep their full TTL. The SDK fetches each result
+    once, so this, not the hour of the TTL, bounds the store's memory (`ResultStore.answered`)."""
     download_url_ttl_s: float = 3600.0
     """Lifetime of signed external-weights download URLs."""
     sampler_load_timeout_s: float = 300.0

@@ -6,6 +6,9 @@ owner and kind cannot change; see `services.control.pending`). Then the long-pol
 `services.jobqueue`: result store → if nothing, wait on the notifier → result store again. A request that
 ended but whose result is gone (expired after its TTL, or lost with a restarted process) is answered from
 its request-log row, so a client never polls forever.
+A result answered to its owner (Done or Failed) is then kept only `ControlOptions.answered_result_s` (a retry
+of a lost response), not the rest of its TTL (`ResultStore.answered`); a sample recorded for
+`stable_reinforce` keeps it, as `services.control.stability` reads it later.
 A pending answer carries a `queue_state`: `paused_capacity` while the request still waits to run on a
 saturated base model (`quotas.QuotaGate.capacity_state`), else `active`; the SDK logs the change.
 """
@@ -36,29 +39,33 @@ class FutureOps:
         self._ctx = ctx
 
     async def retrieve(self, tenant: Tenant, request_id: RequestId, timeout_s: float) -> FutureState:
-        state = await self._retrieve(tenant, request_id, min(max(0.0, timeout_s), self._ctx.options.long_poll_max_s))
+        wait_s = min(max(0.0, timeout_s), self._ctx.options.long_poll_max_s)
+        state, keeps_result = await self._retrieve(tenant, request_id, wait_s)
         if not isinstance(state, Pending):
             self._ctx.accepted.discard(request_id)  # answered: a later poll reads the request log
+            if not keeps_result:  # the SDK fetches a result once: keep it only for a retry of a lost response
+                self._ctx.results.answered(request_id, self._ctx.options.answered_result_s)
         return state
 
-    async def _retrieve(self, tenant: Tenant, request_id: RequestId, wait_s: float) -> FutureState:
+    async def _retrieve(self, tenant: Tenant, request_id: RequestId, wait_s: float) -> tuple[FutureState, bool]:
+        """The future's state, and whether its stored result must outlive the answer (`keeps_result`)."""
         accepted = self._ctx.accepted.get(request_id)
         if accepted is not None and accepted.tenant_id == tenant.id:
             # Accepted here and not answered yet: owner and kind are known, the result is still to come.
             stored = await self._ctx.await_result(request_id, wait_s)
             if stored is not None:
-                return outcome_of(accepted.kind, stored)
+                return outcome_of(accepted.kind, stored), accepted.keeps_result
             return await self._pending_or_final(tenant, request_id)
         row = await self._owned(tenant, request_id)
         stored = await self._ctx.results.get(request_id)
-        if stored is None and row.status in UNFINISHED:
-            self._ctx.accepted.add(request_id, row.tenant_id, row.kind)  # its re-polls skip this read
+        if stored is None and row.status in UNFINISHED:  # its re-polls skip this read
+            self._ctx.accepted.add(request_id, row.tenant_id, row.kind, keeps_result=bool(row.record_stability))
             stored = await self._ctx.await_result(request_id, wait_s)
         if stored is not None:
-            return outcome_of(row.kind, stored)
+            return outcome_of(row.kind, stored), bool(row.record_stability)
         if row.status in UNFINISHED:
             return await self._pending_or_final(tenant, request_id)
-        return _from_row(row)
+        return self._from_row(row), bool(row.record_stability)
 
     async def cancel(self, tenant: Tenant, request_id: RequestId) -> None:
         """Best effort and currently a no-op: queued work runs anyway; only ownership is checked."""
@@ -70,13 +77,23 @@ class FutureOps:
             raise NotFound(not_found("request", request_id), field="request_id")
         return row
 
-    async def _pending_or_final(self, tenant: Tenant, request_id: RequestId) -> FutureState:
+    async def _pending_or_final(self, tenant: Tenant, request_id: RequestId) -> tuple[FutureState, bool]:
         """Still unfinished when the wait began: look at the row again (another process may have ended it)."""
         row = await self._owned(tenant, request_id)
         if row.status in UNFINISHED:
-            return Pending(await self._queue_state(tenant, row))
+            return Pending(await self._queue_state(tenant, row)), True
         stored = await self._ctx.results.get(request_id)
-        return outcome_of(row.kind, stored) if stored is not None else _from_row(row)
+        state = outcome_of(row.kind, stored) if stored is not None else self._from_row(row)
+        return state, bool(row.record_stability)
+
+    def _from_row(self, row: RequestRow) -> FutureState:
+        """A finished request whose result is gone (expired, or lost with a restarted process)."""
+        if row.status == "failed":
+            category = "user" if row.category == "user" else "server"
+            return Failed(row.error or "the request failed", category)
+        keep_s = self._ctx.options.answered_result_s
+        return Failed(f"the result of request {row.id} is no longer available (a result is kept for an hour "
+                      f"until it is first retrieved, then for {keep_s:g} s)", "user")
 
     async def _queue_state(self, tenant: Tenant, row: RequestRow) -> QueueStateName:
         quotas = self._ctx.quotas
@@ -121,10 +138,3 @@ def _base_model_of(db: Session, tenant_id: TenantId, row: RequestRow) -> str | N
         return sampler.base_model if sampler is not None else None
     return None
 
-
-def _from_row(row: RequestRow) -> FutureState:
-    if row.status == "failed":
-        category = "user" if row.category == "user" else "server"
-        return Failed(row.error or "the request failed", category)
-    return Failed(f"the result of request {row.id} is no longer available (results are kept for an hour "
-                  "after they are ready)", "user")

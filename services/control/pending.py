@@ -30,6 +30,9 @@ class AcceptedRequest:
     kind: str
     """The request log's kind (`forward_backward`, `sample`, ...)."""
     accepted_at: float
+    keeps_result: bool = False
+    """Its stored result must outlive its answer: a sample recorded for `stable_reinforce`, which reads it
+    from the result store later (`services.control.stability`)."""
 
 
 class AcceptedRequests:
@@ -43,10 +46,10 @@ class AcceptedRequests:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, AcceptedRequest] = OrderedDict()
 
-    def add(self, request_id: str, tenant_id: str, kind: str) -> None:
+    def add(self, request_id: str, tenant_id: str, kind: str, *, keeps_result: bool = False) -> None:
         now = self._clock()
         with self._lock:
-            self._entries[request_id] = AcceptedRequest(tenant_id, kind, now)
+            self._entries[request_id] = AcceptedRequest(tenant_id, kind, now, keeps_result)
             self._entries.move_to_end(request_id)
             self._trim(now)
 

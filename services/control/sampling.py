@@ -124,7 +124,7 @@ class SamplingOps:
             request_id, is_new, requeue = await self._ctx.tx(
                 lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens, work.record_stability_info))
             if is_new:
-                self._ctx.accepted.add(request_id, tenant.id, "sample")
+                self._ctx.accepted.add(request_id, tenant.id, "sample", keeps_result=work.record_stability_info)
             if is_new or requeue:
                 self._ctx.enqueue(served, tenant, request_id, sampler_id, RequestKind.SAMPLE, seq_id,
                                   payload=Sample(work), num_tokens=int(work.prompt.shape[0]))

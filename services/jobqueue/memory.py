@@ -77,7 +77,11 @@ class InMemoryWorkQueue:
 
 
 class InMemoryResultStore:
-    """`ResultStore` in a dict with per-entry expiry; expired entries are purged lazily on write."""
+    """`ResultStore` in a dict with per-entry expiry; expired entries are purged lazily on write.
+
+    A heap orders the expiries. Replacing, deleting or answering a result leaves its earlier heap entry
+    behind (skipped when popped: its time no longer matches); the heap is rebuilt from the live results
+    once such leftovers outnumber them, or an hour of answered results would leave an hour of entries."""
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self._clock = clock
@@ -108,17 +112,30 @@ class InMemoryResultStore:
         with self._lock:
             self._results.pop(request_id, None)
 
+    def answered(self, request_id: RequestId, keep_s: float) -> None:
+        with self._lock:
+            now = self._clock()
+            expires_at = now + max(0.0, keep_s)
+            entry = self._results.get(request_id)
+            if entry is not None and expires_at < entry[0]:  # shorten only, never lengthen
+                self._results[request_id] = (expires_at, entry[1])
+                heapq.heappush(self._expiries, (expires_at, request_id))  # the purge must see the new time
+            self._purge(now)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._results)
 
     def _purge(self, now: float) -> None:
-        """Drop expired results; heap entries of replaced or deleted results are skipped."""
+        """Drop expired results; heap entries of replaced, deleted or answered results are skipped."""
         while self._expiries and self._expiries[0][0] <= now:
             expires_at, request_id = heapq.heappop(self._expiries)
             entry = self._results.get(request_id)
             if entry is not None and entry[0] == expires_at:
                 del self._results[request_id]
+        if len(self._expiries) > 2 * len(self._results) + 1024:
+            self._expiries = [(expires_at, request_id) for request_id, (expires_at, _) in self._results.items()]
+            heapq.heapify(self._expiries)
 
 
 class KeyedWaiters:

@@ -2,15 +2,18 @@
 
 Key layout (`prefix` defaults to "carpool"):
 
-    {prefix}:result:{request_id}   string, codec bytes of a `StoredResult`, SET ... PX ttl
+    {prefix}:result:{request_id}   string, codec bytes of a `StoredResult`, SET ... PX ttl; once answered
+                                   PEXPIRE ... LT keep (Redis >= 7: shortens, never lengthens)
     {prefix}:done                  pub/sub channel; message = the request id whose result was just stored
 
 Async side: both classes use the thread-safe sync client and hop off the event loop for I/O, instead of
 `redis.asyncio`, whose connections belong to the loop that opened them. That keeps one client (one
 retry policy, one pool) valid for the scheduler's worker thread, the gateway's loop and tests that run
-several loops. `ResultStore.get` runs in a small private thread pool; the notifier's subscription is one
-daemon thread reading one connection, resolving each waiter's asyncio future on the waiter's own loop
-(`call_soon_threadsafe`), exactly like the in-process notifier. No request ever polls Redis.
+several loops. `ResultStore.get` runs in a small private thread pool, and so do the TTL cuts of answered
+results: `answered` only notes the key, and one pipelined flush sends every key noted meanwhile (no round
+trip on the event loop, and under load one per batch rather than per answer). The notifier's subscription
+is one daemon thread reading one connection, resolving each waiter's asyncio future on the waiter's own
+loop (`call_soon_threadsafe`), exactly like the in-process notifier. No request ever polls Redis.
 
 Lost wake-ups. A publish can go unseen by a gateway only while its subscription is down (Redis restart,
 killed connection, network cut). Whenever the subscription is (re)established, every parked waiter is
@@ -68,6 +71,10 @@ class RedisResultStore:
         self._codec = codec
         # Gets are sub-millisecond; a few threads absorb thousands of concurrent long-polls.
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="carpool-results")
+        self._answered_lock = threading.Lock()
+        self._answered: dict[str, int] = {}
+        """Keys answered since the last flush → milliseconds to keep them."""
+        self._flush_queued = False
 
     def result_key(self, request_id: RequestId) -> str:
         return f"{self._prefix}:result:{request_id}"
@@ -98,6 +105,43 @@ class RedisResultStore:
 
     def delete(self, request_id: RequestId) -> None:
         self._call(lambda: self._client.delete(self.result_key(request_id)))
+
+    def answered(self, request_id: RequestId, keep_s: float) -> None:
+        keep_ms = max(0, round(keep_s * 1000))
+        with self._answered_lock:
+            key = self.result_key(request_id)
+            self._answered[key] = min(keep_ms, self._answered.get(key, keep_ms))
+            if self._flush_queued:
+                return  # the queued flush has not taken the batch yet: it sends this key too
+            self._flush_queued = True
+        try:
+            self._executor.submit(self.flush_answered)
+        except RuntimeError:  # closed: the keys keep their full TTL, which is only longer
+            with self._answered_lock:
+                self._flush_queued = False
+
+    def flush_answered(self) -> int:
+        """Cut the TTLs of the keys answered since the last flush, in one round trip; returns how many.
+        A failure leaves them their full TTL (memory, not correctness)."""
+        with self._answered_lock:
+            batch, self._answered, self._flush_queued = self._answered, {}, False
+        if not batch:
+            return 0
+
+        def send() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for key, keep_ms in batch.items():
+                if keep_ms > 0:
+                    pipe.pexpire(key, keep_ms, lt=True)  # LT: a key whose TTL is already shorter keeps it
+                else:
+                    pipe.delete(key)
+            pipe.execute()
+
+        try:
+            self._call(send)  # a retry sends the batch again: LT keeps the earlier, shorter cut
+        except redis.RedisError as error:
+            log.warning("answered results keep their full TTL (%d keys): %s", len(batch), error)
+        return len(batch)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -180,6 +180,24 @@ def test_results_live_for_their_ttl_and_can_be_replaced_or_deleted(backend: Back
     asyncio.run(scenario())
 
 
+def test_an_answered_result_goes_after_its_grace_and_an_unanswered_one_stays(backend: Backend) -> None:
+    store = backend.store
+    ok = StoredResult(ResultStatus.OK, b"proto-bytes")
+
+    async def scenario() -> None:
+        for name in ("answered", "unanswered", "dropped"):
+            store.put(RequestId(name), ok, ttl_s=60)
+        store.answered(RequestId("answered"), 0.3)
+        store.answered(RequestId("dropped"), 0)
+        store.answered(RequestId("never-stored"), 60)
+        await wait_for(lambda: store.get(RequestId("dropped")), None)
+        await wait_for(lambda: store.get(RequestId("answered")), None)  # within its 60 s TTL: the grace cut it
+        assert await store.get(RequestId("unanswered")) == ok
+        assert await store.get(RequestId("never-stored")) is None
+
+    asyncio.run(scenario())
+
+
 def test_long_poll_waiter_is_woken_by_a_worker_thread(backend: Backend) -> None:
     store, notifier = backend.store, backend.notifier
     rid = RequestId("req-1")

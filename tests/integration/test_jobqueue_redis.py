@@ -182,6 +182,48 @@ def test_blobs_of_another_codec_are_refused_and_unreadable_results_become_errors
     store.close()
 
 
+def hold_back_flushes(store: RedisResultStore) -> None:
+    """Make `answered` believe a flush is queued: the keys wait for the test's own `flush_answered`."""
+    with store._answered_lock:
+        store._flush_queued = True
+
+
+def test_answered_results_get_their_ttl_cut_in_one_batch_never_lengthened(client: redis.Redis, prefix: str) -> None:
+    store = RedisResultStore(client, prefix=prefix)
+    ok = StoredResult(ResultStatus.OK, b"proto-bytes")
+    for name in ("answered", "unanswered", "short", "dropped"):
+        store.put(RequestId(name), ok, ttl_s=3600 if name != "short" else 30)
+    hold_back_flushes(store)  # so that every answer below is in one batch, flushed here
+    store.answered(RequestId("answered"), 120)
+    store.answered(RequestId("short"), 120)  # PEXPIRE ... LT: 30 s stays 30 s
+    store.answered(RequestId("dropped"), 0)
+    store.answered(RequestId("never-stored"), 120)
+    assert store.flush_answered() == 4 and store.flush_answered() == 0
+    ttl = {name: client.pttl(store.result_key(RequestId(name))) for name in ("answered", "unanswered", "short")}
+    assert 110_000 < ttl["answered"] <= 120_000
+    assert ttl["unanswered"] > 3_590_000
+    assert 0 < ttl["short"] <= 30_000
+    assert not client.exists(store.result_key(RequestId("dropped")), store.result_key(RequestId("never-stored")))
+    hold_back_flushes(store)
+    store.answered(RequestId("answered"), 600)  # answered again: its grace is not extended
+    assert store.flush_answered() == 1 and client.pttl(store.result_key(RequestId("answered"))) <= 120_000
+    store.close()
+
+
+def test_an_answer_is_flushed_off_the_caller_without_being_asked(client: redis.Redis, prefix: str) -> None:
+    """`answered` only notes the key (it is called on the gateway's event loop); the store's own threads
+    send the cut, here with nothing else going on."""
+    store = RedisResultStore(client, prefix=prefix)
+    store.put(RequestId("a"), StoredResult(ResultStatus.OK, 1), ttl_s=3600)
+    store.answered(RequestId("a"), 0.05)
+    deadline = time.monotonic() + 10  # a bound for a hang, not a measurement
+    while asyncio.run(store.get(RequestId("a"))) is not None:
+        assert time.monotonic() < deadline, "the answered result never expired"
+        time.sleep(0.01)
+    store.close()
+    store.answered(RequestId("b"), 1)  # closed: noted, never sent, and no error
+
+
 def test_queue_operations_survive_their_connections_being_killed(client: redis.Redis, prefix: str) -> None:
     queue = RedisWorkQueue(client, prefix=prefix)
     queue.enqueue(BASE, request(1))

@@ -73,6 +73,51 @@ def test_replacing_a_result_extends_its_life() -> None:
     assert store.get_nowait(RequestId("a")) == StoredResult(ResultStatus.OK, 2)
 
 
+def test_an_answered_result_is_kept_only_for_its_grace_and_then_purged() -> None:
+    clock = FakeClock()
+    store = InMemoryResultStore(clock=clock)
+    ok = StoredResult(ResultStatus.OK, b"proto-bytes")
+    for name in ("answered", "unanswered", "short"):
+        store.put(RequestId(name), ok, ttl_s=3600 if name != "short" else 10)
+    store.answered(RequestId("answered"), 120)
+    store.answered(RequestId("short"), 120)  # never lengthens: it still goes at 10 s
+    store.answered(RequestId("never-stored"), 120)  # nothing to shorten, and nothing is created
+    clock.now = 10
+    assert store.get_nowait(RequestId("short")) is None and store.get_nowait(RequestId("never-stored")) is None
+    clock.now = 119.5
+    assert store.get_nowait(RequestId("answered")) == ok
+    store.answered(RequestId("answered"), 120)  # answered again (a retried poll): its grace does not restart
+    clock.now = 120
+    assert store.get_nowait(RequestId("answered")) is None
+    assert store.get_nowait(RequestId("unanswered")) == ok
+    store.put(RequestId("next"), ok, ttl_s=3600)  # writes purge what expired: the answered one is gone for good
+    assert len(store) == 2
+
+
+def test_a_grace_of_zero_drops_at_once_and_a_later_put_stores_afresh() -> None:
+    clock = FakeClock()
+    store = InMemoryResultStore(clock=clock)
+    store.put(RequestId("a"), StoredResult(ResultStatus.OK, 1), ttl_s=3600)
+    store.answered(RequestId("a"), 0)
+    assert store.get_nowait(RequestId("a")) is None and len(store) == 0
+    store.put(RequestId("a"), StoredResult(ResultStatus.OK, 2), ttl_s=3600)  # a retried store: the full TTL
+    clock.now = 3599
+    assert store.get_nowait(RequestId("a")) == StoredResult(ResultStatus.OK, 2)
+
+
+def test_expiry_bookkeeping_stays_bounded_by_the_live_results() -> None:
+    """Answering leaves each result's first expiry in the heap; it is compacted, or an hour of answered
+    results would leave an hour of (time, id) entries behind although the results themselves are gone."""
+    clock = FakeClock()
+    store = InMemoryResultStore(clock=clock)
+    for i in range(20_000):
+        store.put(RequestId(f"r{i}"), StoredResult(ResultStatus.OK, i), ttl_s=3600)
+        store.answered(RequestId(f"r{i}"), 1)
+        clock.now += 0.01  # 100 results/s: some 100 are within their 1 s grace at any time
+    assert len(store) <= 101
+    assert len(store._expiries) <= 2 * len(store) + 1024 + 1
+
+
 def test_stored_result_from_completion_marks_work_errors() -> None:
     error = StoredResult.from_completion(Completion(request(1), WorkError("bad input")))
     ok = StoredResult.from_completion(Completion(request(2), {"metrics": {}}))

@@ -136,3 +136,15 @@ def test_a_pass_never_holds_more_adapters_than_the_resident_slots() -> None:
     assert _scheduler(few_slots).limits.max_adapters_per_pass == 16
     few_per_pass = ServiceSettings(max_resident_adapters=64, max_adapters_per_pass=8)
     assert _scheduler(few_per_pass).limits.max_adapters_per_pass == 8
+
+
+def test_the_answered_result_grace_reaches_the_control_plane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CARPOOL_ANSWERED_RESULT_SECONDS`: how long a result stays once answered; 0 drops it, below 0 is refused."""
+    from deploy.embedded import _control_options
+
+    assert _control_options(ServiceSettings()).answered_result_s == 120.0
+    monkeypatch.setenv("CARPOOL_ANSWERED_RESULT_SECONDS", "0")
+    assert _control_options(ServiceSettings()).answered_result_s == 0.0
+    monkeypatch.setenv("CARPOOL_ANSWERED_RESULT_SECONDS", "-1")
+    with pytest.raises(ValidationError, match="answered_result_seconds"):
+        ServiceSettings()
