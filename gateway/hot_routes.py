@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
 from fastapi import FastAPI
 from fastapi.dependencies.models import Dependant
@@ -70,6 +70,7 @@ def hot_endpoints(app: FastAPI, paths: Iterable[tuple[str, str]] = HOT_PATHS) ->
         if route is None:
             raise NotHot(f"no route {key[0]} {key[1]} to serve as a hot route")
         _check(route.dependant, f"{key[0]} {key[1]}", top=True)
+        _check_returns_a_response(route.endpoint, f"{key[0]} {key[1]}")
         endpoints[key] = HotEndpoint(route, route.dependant)
     return endpoints
 
@@ -86,6 +87,14 @@ def _check(dependant: Dependant, where: str, *, top: bool = False) -> None:
         raise NotHot(f"{where}: the {kind} {dependant.call!r} is not a coroutine function")
     for sub in dependant.dependencies:
         _check(sub, where)
+
+
+def _check_returns_a_response(endpoint: Callable[..., Any], where: str) -> None:
+    """The short path sends what the endpoint returns as is: it must be a `Response`, never data for FastAPI
+    to serialise through a `response_model`."""
+    returned = get_type_hints(endpoint).get("return")
+    if not (isinstance(returned, type) and issubclass(returned, Response)):
+        raise NotHot(f"{where}: {endpoint!r} is not declared to return a Response (got {returned!r})")
 
 
 class HotRoutes:

@@ -152,9 +152,14 @@ def _sync_endpoint(value: Annotated[int, Depends(_state_value)]) -> JSONResponse
     return JSONResponse({})
 
 
+async def _returns_data(request: Request) -> dict[str, int]:
+    return {"a": 1}
+
+
 @pytest.mark.parametrize(("endpoint", "fragment"), [
     (_takes_a_query, "parameters other than"), (_takes_a_sync_dependency, "not a coroutine"),
     (_takes_a_generator_dependency, "not a coroutine"), (_sync_endpoint, "not a coroutine"),
+    (_returns_data, "not declared to return a Response"),
 ])
 def test_an_endpoint_the_short_path_cannot_serve_exactly_fails_the_build(endpoint: Any, fragment: str) -> None:
     app = FastAPI()
