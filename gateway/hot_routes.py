@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 from fastapi import FastAPI
@@ -53,25 +52,17 @@ class NotHot(ValueError):
     """A route named hot whose endpoint needs FastAPI's full machinery."""
 
 
-@dataclass(frozen=True)
-class HotEndpoint:
-    """One hot route: its `APIRoute` (the metrics label reads `scope["route"].path`) and its resolver."""
-
-    route: APIRoute
-    dependant: Dependant
-
-
-def hot_endpoints(app: FastAPI, paths: Iterable[tuple[str, str]] = HOT_PATHS) -> dict[tuple[str, str], HotEndpoint]:
+def hot_endpoints(app: FastAPI, paths: Iterable[tuple[str, str]] = HOT_PATHS) -> dict[tuple[str, str], APIRoute]:
     """The app's hot routes by (method, path), each checked to be servable here; raises `NotHot` if not."""
     routes = {(method, route.path): route for route in api_routes(app.routes) for method in route.methods}
-    endpoints: dict[tuple[str, str], HotEndpoint] = {}
+    endpoints: dict[tuple[str, str], APIRoute] = {}
     for key in paths:
         route = routes.get(key)
         if route is None:
             raise NotHot(f"no route {key[0]} {key[1]} to serve as a hot route")
         _check(route.dependant, f"{key[0]} {key[1]}", top=True)
         _check_returns_a_response(route.endpoint, f"{key[0]} {key[1]}")
-        endpoints[key] = HotEndpoint(route, route.dependant)
+        endpoints[key] = route
     return endpoints
 
 
@@ -100,20 +91,20 @@ def _check_returns_a_response(endpoint: Callable[..., Any], where: str) -> None:
 class HotRoutes:
     """ASGI middleware: serves `endpoints` itself, passes everything else to `app`."""
 
-    def __init__(self, app: ASGIApp, *, endpoints: Mapping[tuple[str, str], HotEndpoint]) -> None:
+    def __init__(self, app: ASGIApp, *, endpoints: Mapping[tuple[str, str], APIRoute]) -> None:
         self.app = app
         self.endpoints = dict(endpoints)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         http = scope["type"] == "http"
-        endpoint = self.endpoints.get((scope["method"], scope["path"])) if http else None
-        if endpoint is None or scope["app"].dependency_overrides:  # overrides (tests, tools): FastAPI applies them
+        route = self.endpoints.get((scope["method"], scope["path"])) if http else None
+        if route is None or scope["app"].dependency_overrides:  # overrides (tests, tools): FastAPI applies them
             await self.app(scope, receive, send)
             return
-        scope["route"] = endpoint.route
+        scope["route"] = route  # the metrics label reads `scope["route"].path`
         request = Request(scope, receive)
         try:
-            response = await _solve(endpoint.dependant, request, {})
+            response = await _solve(route.dependant, request, {})
         except Exception as exc:
             response = await _handled(request, exc)
         await response(scope, receive, send)
