@@ -96,6 +96,10 @@ class ResultStore(Protocol):
         """The result, or None while pending (or after it expired)."""
         ...
 
+    def get_nowait(self, request_id: RequestId) -> StoredResult | None:
+        """`get` for a thread that may block (the scheduler's): the result, or None."""
+        ...
+
     def delete(self, request_id: RequestId) -> None:
         """Drop a result early (e.g. once the client acknowledged it)."""
         ...

@@ -7,8 +7,9 @@
 One loop owns one `Scheduler` (which is not thread-safe by design) and one backend. Results are stored
 before their requests are logged finished (the hook stores them through the loop before it commits: a
 poll that reads "done" finds the result), announced after that, and queue entries acked last, so a
-crash in between redelivers work instead of losing it. Markers (`CONSUMED`) and duplicate deliveries
-produce no result of their own and are acked at once. Nothing that goes wrong in one iteration stops
+crash in between redelivers work instead of losing it; an item whose bookkeeping fails keeps its entries
+unacknowledged until a retry writes it (`services.runtime.unrecorded`). Markers (`CONSUMED`) and duplicate
+deliveries produce no result of their own and are acked at once. Nothing that goes wrong in one iteration stops
 the loop: backend failures become error results (see `dispatch`), anything else is logged and the loop
 carries on.
 """
@@ -36,6 +37,7 @@ from services.jobqueue.protocol import (
 from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
+from services.runtime.unrecorded import UnrecordedBacklog, UnrecordedItem
 from services.scheduler.requests import Completion, PlanItem, QueuedRequest, RequestId, RequestKind
 from services.scheduler.scheduler import Scheduler
 
@@ -55,6 +57,9 @@ class LoopConfig:
     max_claim: int = 512
     """Queue entries taken per claim."""
     result_ttl_s: float = DEFAULT_RESULT_TTL_S
+    unrecorded_retry_s: float = 5.0
+    """How soon an item whose bookkeeping failed is recorded again (doubling up to a minute while it fails;
+    `services.runtime.unrecorded`)."""
 
 
 class SchedulerLoop:
@@ -84,6 +89,7 @@ class SchedulerLoop:
         self._counters = LoopCounters(base_model, metrics.for_model(base_model) if metrics else None)
         self._dispatcher = Dispatcher(backend, self._counters, base_model)
         self._deliveries: dict[RequestId, list[str]] = {}
+        self._unrecorded = UnrecordedBacklog(retry_s=self._config.unrecorded_retry_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Pass ids join the request log with pass logs; the prefix tells loops (and restarts) apart.
@@ -106,7 +112,8 @@ class SchedulerLoop:
         log.info("%s: scheduler loop started", self.base_model)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the current iteration (whatever runs completes and is delivered), then end the thread."""
+        """Finish the current iteration (whatever runs completes and is delivered), then end the thread. Items
+        whose bookkeeping is still unwritten keep their entries unacknowledged, for the next loop to claim."""
         thread = self._thread
         self._stop.set()
         if thread is not None:
@@ -119,6 +126,11 @@ class SchedulerLoop:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def unrecorded(self) -> int:
+        """Items delivered whose bookkeeping is still to be written (their queue entries are held)."""
+        return len(self._unrecorded)
 
     def stats(self) -> RuntimeStats:
         """A snapshot of the counters; safe from any thread."""
@@ -139,6 +151,8 @@ class SchedulerLoop:
 
         Public so that tests and tools can drive a loop synchronously without its thread.
         """
+        if self._unrecorded.due():
+            self._record_backlog()
         for delivery in self._claim(wait_s):
             self._admit(delivery)
         plan = self._scheduler.step()
@@ -172,6 +186,9 @@ class SchedulerLoop:
     def _admit(self, delivery: Delivery) -> None:
         request = delivery.request
         admission = self._scheduler.submit(request)
+        if admission.unrecorded:
+            self._record_ran(request, delivery.delivery_id)
+            return
         if request.kind is RequestKind.CONSUMED or not admission.is_new:
             # A marker or a redelivered duplicate: the original request owns the result.
             self._queue.ack(self.base_model, [delivery.delivery_id])
@@ -195,16 +212,51 @@ class SchedulerLoop:
         """Record (the hook stores the results before it marks the requests finished), announce, then ack."""
         if not completions:
             return
-        final = self._record(completions, pass_id)
+        final, recorded = self._record(completions, pass_id)
         self._notifier.publish_many([completion.request_id for completion in final])
-        acked = [d for c in final for d in self._deliveries.pop(c.request_id, [])]
-        if acked:
-            self._queue.ack(self.base_model, acked)
+        delivered = [d for c in final for d in self._deliveries.pop(c.request_id, [])]
+        if recorded:
+            self._ack(delivered)
+        else:  # the clients have their results; the entries wait until the bookkeeping is written
+            self._ack(d for item in self._unrecorded.add(UnrecordedItem(final, pass_id, delivered))
+                      for d in item.delivery_ids)
         self._counters.record_completions(final)
 
-    def _record(self, completions: Sequence[Completion], pass_id: str | None) -> list[Completion]:
-        """The hook's final completions, whose results are stored by the time it returns."""
+    def _ack(self, delivery_ids: Iterable[str]) -> None:
+        ids = list(delivery_ids)
+        if ids:
+            self._queue.ack(self.base_model, ids)
+
+    def _record_ran(self, request: QueuedRequest, delivery_id: str) -> None:
+        """A request a predecessor ran and answered but did not record: its bookkeeping from the stored result
+        (gone meanwhile: nothing to record from), then its entry is acked (or held, if that fails too)."""
+        stored = self._results.get_nowait(request.request_id)
+        if stored is None:
+            self._ack([delivery_id])
+            return
+        item = UnrecordedItem([Completion(request, stored.value)], None, [delivery_id])
+        try:
+            self._hook.finished(item.completions, None, lambda _final: None)  # the client has its result
+        except Exception:  # noqa: BLE001 - held and retried like any other unrecorded item
+            log.exception("%s: bookkeeping of %s failed again", self.base_model, request.request_id)
+            self._ack(d for old in self._unrecorded.add(item) for d in old.delivery_ids)
+            return
+        self._ack([delivery_id])
+
+    def _record_backlog(self) -> None:
+        def record(item: UnrecordedItem) -> None:
+            self._hook.finished(item.completions, item.pass_id, self._store)
+
+        recorded = self._unrecorded.retry(record)
+        self._ack(d for item in recorded for d in item.delivery_ids)
+        if recorded:
+            log.info("%s: bookkeeping of %d items written late", self.base_model, len(recorded))
+
+    def _record(self, completions: Sequence[Completion], pass_id: str | None) -> tuple[list[Completion], bool]:
+        """The hook's final completions, whose results are stored by the time it returns, and whether the
+        hook wrote their bookkeeping."""
         stored: list[Sequence[Completion]] = []
+        recorded = True
 
         def store(final: Sequence[Completion]) -> None:
             self._store(final)
@@ -213,15 +265,17 @@ class SchedulerLoop:
         try:
             amended = list(self._hook.finished(completions, pass_id, store))
         except Exception:  # noqa: BLE001 - the client must get its result even if bookkeeping failed
-            log.exception("%s: completion hook failed for %s", self.base_model, pass_id or "refusals")
+            log.exception("%s: completion hook failed for %s; its queue entries are held until it is written",
+                          self.base_model, pass_id or "refusals")
             amended = list(stored[-1]) if stored else list(completions)  # what a poll may have read already
+            recorded = False
         if len(amended) != len(completions):
             log.error("%s: completion hook returned %d of %d completions; using the originals",
                       self.base_model, len(amended), len(completions))
             amended = list(completions)
         if not stored or not _same(stored[-1], amended):
             self._store(amended)  # a hook that did not store (or stored something else): store what counts
-        return amended
+        return amended, recorded
 
     def _store(self, completions: Sequence[Completion]) -> None:
         for completion in completions:

@@ -5,8 +5,10 @@ hands it the predecessor's unacknowledged requests (seq 7, 8, ...) and new ones.
 opens each model, the first time it sees it, where the request log says it stands: at the lowest seq id
 still unfinished (whose result is not stored either), else at the run's next free seq id. A redelivered
 request below that position finished already (its result is stored): it is acknowledged without running
-again. One that was in flight on a replica is dispatched again and the replica answers it from memory
-(`replica_executor`), so nothing runs twice.
+again. If its row is unfinished (its scheduler died before writing its bookkeeping, see
+`services.runtime.unrecorded`), the loop first records it from the stored result. One that was in flight
+on a replica is dispatched again and the replica answers it from memory (`replica_executor`), so nothing
+runs twice.
 
 Outages. `RetryingHook` retries the database hook while PostgreSQL is unreachable, so the loop waits
 for the database instead of delivering results whose request rows never leave `running` (that would
@@ -45,7 +47,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import redis
 from sqlalchemy import select
@@ -69,8 +71,17 @@ log = logging.getLogger(__name__)
 DEFAULT_OUTAGE_S = 300.0
 """How long database calls are retried before the failure is let through."""
 
-PositionLookup = Callable[[ModelId], int]
-"""A model's next seq id to run, as far as durable state tells."""
+class Position(NamedTuple):
+    """Where a model resumes, as far as durable state tells."""
+
+    next_seq: int
+    """The next seq id to run."""
+    unrecorded: frozenset[str] = frozenset()
+    """Requests below `next_seq` that ran (their results are stored) but whose rows are unfinished: a
+    predecessor died before writing their bookkeeping."""
+
+
+PositionLookup = Callable[[ModelId], Position]
 
 
 def is_connection_error(error: BaseException) -> bool:
@@ -102,10 +113,13 @@ class RecoveringScheduler(Scheduler):
         super().__init__(limits)
         self._positions = positions
         self._starts: dict[ModelId, int] = {}
+        self._unrecorded: set[str] = set()
 
     def submit(self, request: QueuedRequest) -> Admission:
         if self._finished_before_start(request):
-            return Admission(request.request_id, is_new=False)
+            unrecorded = request.request_id in self._unrecorded
+            self._unrecorded.discard(request.request_id)
+            return Admission(request.request_id, is_new=False, unrecorded=unrecorded)
         return super().submit(request)
 
     def _finished_before_start(self, request: QueuedRequest) -> bool:
@@ -115,8 +129,9 @@ class RecoveringScheduler(Scheduler):
     def _start_of(self, model_id: ModelId) -> int:
         start = self._starts.get(model_id)
         if start is None:
-            start = self._positions(model_id)
+            start, unrecorded = self._positions(model_id)
             self._starts[model_id] = start
+            self._unrecorded.update(unrecorded)
             self.open_model(model_id, start)
             if start:
                 log.info("model %s resumes at seq %d", model_id, start)
@@ -132,12 +147,14 @@ class DatabasePositions:
         self._has_result = has_result
         self._outage_s = outage_s
 
-    def __call__(self, model_id: ModelId) -> int:
+    def __call__(self, model_id: ModelId) -> Position:
         unfinished, next_free = retry_database(lambda: self._read(model_id), outage_s=self._outage_s)
+        ran: list[str] = []
         for seq_id, request_id in unfinished:
             if not self._has_result(request_id):
-                return seq_id
-        return next_free
+                return Position(seq_id, frozenset(ran))
+            ran.append(request_id)
+        return Position(next_free, frozenset(ran))
 
     def _read(self, model_id: ModelId) -> tuple[list[tuple[int, str]], int]:
         with self._db.sessions.begin() as session:

@@ -103,6 +103,9 @@ class Admission(NamedTuple):
 
     request_id: RequestId
     is_new: bool
+    unrecorded: bool = False
+    """Run by a scheduler that died before writing its bookkeeping (its result is stored, its request row
+    unfinished): record it from the stored result (`services.runtime.recovery`)."""
 
 
 @dataclass(frozen=True)

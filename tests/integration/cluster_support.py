@@ -325,8 +325,9 @@ def create_tenant_keys(database_url: str, count: int, prefix: str = "tenant") ->
 
 
 def train_with_sdk(url: str, key: str, tenant: int, steps: int,
-                   after_step: Callable[[int, int], None] | None = None) -> str:
-    """One tenant's whole run through the real SDK; returns the tinker path of its final `save_state`."""
+                   after_step: Callable[[int, int], None] | None = None, wait_s: float | None = None) -> str:
+    """One tenant's whole run through the real SDK; returns the tinker path of its final `save_state`.
+    `wait_s`: how long each call's result is waited for (None: for ever), so a stalled run fails."""
     import tinker
     from tinker import types
 
@@ -338,20 +339,21 @@ def train_with_sdk(url: str, key: str, tenant: int, steps: int,
                 for t in batch]
         fb = training.forward_backward(data, "cross_entropy")
         optim = training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
-        assert fb.result().metrics["loss:sum"] > 0
-        optim.result()
+        assert fb.result(timeout=wait_s).metrics["loss:sum"] > 0
+        optim.result(timeout=wait_s)
         if after_step is not None:
             after_step(tenant, step)
-    return training.save_state("final").result().path
+    return training.save_state("final").result(timeout=wait_s).path
 
 
 def train_all(url: str, keys: list[str], steps: int,
-              after_step: Callable[[int, int], None] | None = None) -> list[str]:
-    """Every tenant at once, one thread each; re-raises the first failure."""
+              after_step: Callable[[int, int], None] | None = None, wait_s: float | None = None) -> list[str]:
+    """Every tenant at once, one thread each; re-raises the first failure (`wait_s`: see `train_with_sdk`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(keys)) as pool:
-        futures = [pool.submit(train_with_sdk, url, key, i, steps, after_step) for i, key in enumerate(keys)]
+        futures = [pool.submit(train_with_sdk, url, key, i, steps, after_step, wait_s)
+                   for i, key in enumerate(keys)]
         return [f.result(timeout=600) for f in futures]
 
 

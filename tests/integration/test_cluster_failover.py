@@ -15,11 +15,18 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 
+from services.control.recording import DatabaseCompletionHook
+from services.db.database import open_database
+from services.db.models import RequestRow
+from services.db.request_log import UNFINISHED
 from services.db.testing import scratch_postgres_database
 from services.runtime.redis_replicas import ClusterKeys, RedisReplicaLink, connect
 from tests.e2e.server import CARPOOL
@@ -117,6 +124,74 @@ def test_a_standby_scheduler_takes_over_from_a_killed_one(stack: ClusterStack, t
         active.kill()
     expected = reference_weights(tiny_model_dir, 3, STEPS)
     assert_equal_to_reference(stack.settings.resolved_database_url(), stack.settings.data_dir, paths, expected)
+
+
+@pytest.mark.parametrize("results_kept", ["expired", "stored"])
+def test_a_successor_finishes_what_a_scheduler_could_not_record(tmp_path: Path, tiny_model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                results_kept: str) -> None:
+    """The scheduler's bookkeeping fails for good (as after a PostgreSQL outage longer than its retries) while
+    tenants go on training: they get their results. Then the scheduler stops and a standby takes over.
+
+    "expired": the answered results are gone (kept 0.5 s). Before, the dead scheduler had acknowledged those
+    requests, so the standby waited at the first unrecorded one for a request no client would send again:
+    every run stalled. Now their queue entries were held: the standby runs them again and the replica answers
+    them from memory. "stored": the results are still there, so the standby skips those requests as
+    finished; it records them from their stored results (before, their rows stayed unfinished for ever).
+    Either way every tenant ends with the weights of an uninterrupted run and no request is left unfinished."""
+    require_postgres()
+    failing = threading.Event()
+    real_finished = DatabaseCompletionHook.finished
+
+    def finished(self: DatabaseCompletionHook, *args: Any, **kwargs: Any) -> Any:
+        if failing.is_set():
+            raise RuntimeError("request log unreachable (retries exhausted)")
+        return real_finished(self, *args, **kwargs)
+
+    monkeypatch.setattr(DatabaseCompletionHook, "finished", finished)
+    with scratch_postgres_database() as url, scratch_prefix() as prefix:
+        settings = cluster_settings(tmp_path / "data", tiny_model_dir, prepared_database(url), REDIS_URL, prefix,
+                                    answered_result_seconds=0.5 if results_kept == "expired" else 120.0)
+        stack = ClusterStack(settings)
+        try:
+            stack.add_thread_replica()
+            first = stack.start_scheduler()
+            stack.start_gateway()
+            keys = create_tenant_keys(settings.resolved_database_url(), 3, prefix="unrecorded")
+            steps: list[int] = []
+            lock = threading.Lock()
+
+            def fail_then_hand_over(_tenant: int, _step: int) -> None:
+                with lock:
+                    steps.append(1)
+                    if len(steps) == 3:
+                        failing.set()
+                    elif len(steps) == 9:
+                        assert first.loop is not None and first.loop.unrecorded > 0
+                        first.stop()
+                        if results_kept == "expired":
+                            time.sleep(1.0)  # the answered results of the unrecorded requests expire
+                        failing.clear()
+                        stack.start_scheduler()
+
+            paths = train_all(stack.url, keys, STEPS, fail_then_hand_over, wait_s=120.0)
+            assert len(steps) == 3 * STEPS
+        finally:
+            stack.close()
+            first.stop()
+        expected = reference_weights(tiny_model_dir, 3, STEPS)
+        assert_equal_to_reference(settings.resolved_database_url(), settings.data_dir, paths, expected)
+        assert unfinished_requests(settings.resolved_database_url()) == 0
+
+
+def unfinished_requests(database_url: str) -> int:
+    db = open_database(database_url)
+    try:
+        with db.sessions.begin() as session:
+            return int(session.scalar(select(func.count()).select_from(RequestRow)
+                                      .where(RequestRow.status.in_(UNFINISHED))) or 0)
+    finally:
+        db.dispose()
 
 
 def test_carpool_worker_serves_a_tenant_and_stops_on_sigint(stack: ClusterStack, tiny_model_dir: Path,

@@ -28,9 +28,9 @@ from services.domain.training import (
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
 from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
 from services.runtime.loop import TenantActivity
-from services.runtime.reporting import CompletionHook
+from services.runtime.reporting import CompletionHook, StoreResults
 from services.scheduler import QueuedRequest, RequestId, RequestKind
-from services.scheduler.requests import ModelId, TenantId
+from services.scheduler.requests import Completion, ModelId, TenantId
 
 BASE = "fake"
 
@@ -87,7 +87,7 @@ class FakeBackend:
 
 
 class Rig:
-    def __init__(self, hook: CompletionHook | None = None) -> None:
+    def __init__(self, hook: CompletionHook | None = None, unrecorded_retry_s: float = 5.0) -> None:
         self.backend = FakeBackend()
         self.queue, self.results, self.notifier = (
             InMemoryWorkQueue(),
@@ -100,7 +100,7 @@ class Rig:
             self.queue,
             self.results,
             self.notifier,
-            config=LoopConfig(poll_s=0.02, batch_window_s=0.0),
+            config=LoopConfig(poll_s=0.02, batch_window_s=0.0, unrecorded_retry_s=unrecorded_retry_s),
             hook=hook,
         )
         self._n = 0
@@ -195,6 +195,46 @@ def test_order_markers_duplicates_and_failures() -> None:
     assert isinstance(rig.result(sample), SampleResult)
     assert rig.results.get_nowait(boom).status is ResultStatus.ERROR  # type: ignore[union-attr]
     assert rig.loop.stats().requests_failed == 1
+
+
+class FlakyHook:
+    """A completion hook whose bookkeeping fails while `down` (a database outage its retries gave up on)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.recorded: list[list[RequestId]] = []
+
+    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
+        pass
+
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        if self.down:
+            raise RuntimeError("database unreachable")
+        store(completions)
+        self.recorded.append([c.request_id for c in completions])
+        return list(completions)
+
+
+def test_an_item_whose_bookkeeping_failed_keeps_its_queue_entries_until_it_is_written() -> None:
+    hook = FlakyHook()
+    rig = Rig(hook, unrecorded_retry_s=0.0)
+    rig.put("m", RequestKind.CREATE, 0, CreateAdapter(ModelId("m"), AdapterId("m"), LoraSpec(rank=2)))
+    rig.loop.run_once()
+    hook.down = True
+    fb = rig.put("m", RequestKind.FORWARD_BACKWARD, 1, _fb("m"), tokens=4)
+    rig.loop.run_once()
+    assert isinstance(rig.result(fb), ForwardBackwardResult)  # the client has its result
+    assert rig.queue.unacked(BASE) == 1  # a successor would claim the entry again
+    rig.loop.run_once()  # still down: the retry fails, the entry stays held
+    assert rig.queue.unacked(BASE) == 1 and hook.recorded == [[RequestId("r1")]]
+
+    hook.down = False
+    opt = rig.put("m", RequestKind.OPTIM_STEP, 2, OptimStep(AdapterId("m"), AdamParams()))
+    rig.loop.run_once()  # the held item is written first, then the new one
+    assert hook.recorded == [[RequestId("r1")], [fb], [opt]]
+    assert rig.queue.unacked(BASE) == 0
+    assert [kind for kind, _ in rig.backend.calls] == ["create", "pass", "optim"]  # nothing ran twice
 
 
 def test_threaded_loop_wakes_waiters_and_stops_gracefully() -> None:

@@ -18,7 +18,7 @@ from services.domain.training import (
     LoraSpec,
     OptimStepResult,
 )
-from services.runtime.recovery import RecoveringScheduler
+from services.runtime.recovery import Position, RecoveringScheduler
 from services.runtime.replica_executor import ReplicaExecutor
 from services.runtime.replica_protocol import (
     CreateCall,
@@ -117,8 +117,10 @@ def request(seq: int, model: str = "m") -> QueuedRequest:
 
 
 def test_a_successor_resumes_each_model_at_its_durable_position() -> None:
-    scheduler = RecoveringScheduler(lambda model: {"m": 7}.get(model, 0))
-    assert scheduler.submit(request(6)).is_new is False  # finished before the take-over: just acked
+    scheduler = RecoveringScheduler(lambda model: Position(7, frozenset({"m-5"})) if model == "m" else Position(0))
+    assert scheduler.submit(request(6)) == (RequestId("m-6"), False, False)  # finished before: just acked
+    assert scheduler.submit(request(5)) == (RequestId("m-5"), False, True)  # ran, not recorded: record it
+    assert scheduler.submit(request(5)).unrecorded is False  # once
     assert scheduler.submit(request(8)).is_new
     assert scheduler.submit(request(7)).is_new
     assert [r.seq_id for item in scheduler.step().items for r in item.requests] == [7, 8]

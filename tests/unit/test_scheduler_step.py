@@ -102,7 +102,7 @@ def test_duplicate_submission_returns_the_first_request_id_and_runs_once() -> No
     scheduler, client, _ = make_scheduler()
     first = client.at("a-1", 1)
     retry = QueuedRequest(RequestId("other"), first.tenant_id, first.model_id, FB, 1, 10)
-    assert scheduler.submit(first) == (first.request_id, True)
+    assert scheduler.submit(first)[:2] == (first.request_id, True)
     admission = scheduler.submit(retry)
     assert (admission.request_id, admission.is_new) == (first.request_id, False)
     plan = scheduler.step()
@@ -321,11 +321,11 @@ def test_consumed_marker_from_the_queue_unblocks_the_model_and_dedupes_retries()
     scheduler, client, _ = make_scheduler()
     scheduler.submit(client.at("a-1", 2))
     marker = client.at("a-1", 1, RequestKind.CONSUMED)
-    assert scheduler.submit(marker) == (marker.request_id, True)
+    assert scheduler.submit(marker)[:2] == (marker.request_id, True)
     plan = scheduler.step()
     assert ids(plan.passes[0].requests) == ["a-1#2"] and plan.rejected == ()
-    assert scheduler.submit(client.at("a-1", 1)) == (marker.request_id, False)
-    assert scheduler.submit(client.at("a-1", 2, RequestKind.CONSUMED)) == ("a-1#2", False)
+    assert scheduler.submit(client.at("a-1", 1))[:2] == (marker.request_id, False)
+    assert scheduler.submit(client.at("a-1", 2, RequestKind.CONSUMED))[:2] == ("a-1#2", False)
 
 
 def test_has_queued_counts_runnable_work_but_not_early_arrivals() -> None:
