@@ -1,6 +1,8 @@
 """Load and scale: N tenants train through the `tinker` SDK at once, for a bounded time, at several N.
 
-Starts `carpool serve` (embedded, or `--mode cluster`) on the tiny random-weight dev model and, for each N
+Starts `carpool serve` (embedded), or with `--mode cluster` `carpool cluster up` with the scheduler in a
+process of its own as production runs it (`CARPOOL_SCHEDULER_PROCESSES`; `--scheduler-thread` keeps it in
+the gateway's process), on the tiny random-weight dev model and, for each N
 in `--tenants` (default 1, 8, 32, 128, 512), creates N tenants (keys written straight into the server's
 database, the CLI would take seconds per tenant), gives each its own `ServiceClient` and LoRA model, and
 runs them closed-loop for `--seconds`: forward_backward(1 x T tokens) → optim_step → next. The server's
@@ -20,7 +22,7 @@ use is reported beside the server's so a client-bound run shows as one.
 Per N: trained tokens/s, round-trip p50/p95 of forward_backward and optim_step, queue wait p95 (the
 server's `carpool_queue_wait_seconds` histogram, the bucket holding the p95 of this N's requests only),
 errors, the server's RSS sampled every second (max, and growth over this N's measured time), and the cores
-the server and the clients used. The last line:
+the server and the clients used (the server's also per process of its tree). The last line:
 
 RESULT tokens_per_s_512_vs_8=X p95_wait_512_ms=X errors=N rss_growth_pct=X
 
@@ -56,7 +58,7 @@ import httpx  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from tests.e2e.server import TINY_MODEL_NAME, Server, start_server  # noqa: E402
+from tests.e2e.server import TINY_MODEL_NAME, Server, free_port, start_server  # noqa: E402
 
 HP = types.AdamParams(learning_rate=1e-4)
 SETUP_TIMEOUT_S = 600.0
@@ -82,6 +84,8 @@ class Run:
     """forward_backward calls completed in the measured time."""
     connections: int = 0
     """The server's open sockets at the end of the measured time (the SDK keeps ~3 per client)."""
+    process_cpu: dict[str, float] = field(default_factory=dict)
+    """Cores used over the measured time per process label of the server's tree (`process_label`)."""
 
     @property
     def reloads_per_step(self) -> float:
@@ -148,14 +152,36 @@ def open_sockets(pid: int) -> int:
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of a process and its children so far, from /proc."""
-    total = 0
+    return sum(cpu_by_process(pid).values())
+
+
+def cpu_by_process(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process and its children, summed per process label (`process_label`): in
+    cluster mode the tree is the gateway, scheduler, Ray's daemons and the replica."""
+    totals: dict[str, float] = {}
     for child in [pid, *_children(pid)]:
         try:
             fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            label = process_label(child)
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        totals[label] = totals.get(label, 0.0) + seconds
+    return totals
+
+
+def process_label(pid: int) -> str:
+    """A short name for a process: Ray workers' titles (`ray::ReplicaHost...`), else the program and its
+    first word of arguments that is not an option (`carpool scheduler`, `raylet`, `postgres`)."""
+    argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
+    if not argv:
+        return "?"
+    if argv[0].startswith("ray::"):
+        return argv[0].split()[0][:40]
+    words = [Path(a).name for a in argv[:4] if not a.startswith("-")]
+    if words and words[0].startswith("python"):
+        words = words[1:]
+    return " ".join(words[:2])[:40] or Path(argv[0]).name
 
 
 def _children(pid: int) -> list[int]:
@@ -253,7 +279,8 @@ def client_process(url: str, keys: list[str], indices: list[int], args: argparse
 def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     run = Run(n)
     keys = make_keys(server, n, offset)
-    waits_before = queue_wait_buckets(server)
+    scheduler_metrics = metrics_url(server, args)
+    waits_before = queue_wait_buckets(scheduler_metrics)
     procs = run.client_procs = max(1, min(n, args.client_procs or -(-n // args.tenants_per_proc)))
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no SDK threads forked half-way
     ready, out, go, deadline = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", float("inf"))
@@ -265,8 +292,9 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
     pids = [ready.get(timeout=SETUP_TIMEOUT_S) for _ in workers]
     print(f"N={n}: set up in {procs} client processes, measuring for {args.seconds:.0f} s "
           f"(server pid {server.process.pid}, client pids {' '.join(map(str, pids))})", flush=True)
-    server_cpu, client_cpu = cpu_s(server.process.pid), sum(cpu_s(pid) for pid in pids)
-    reloads_before = metric_total(server, "carpool_adapter_reloads_total")
+    by_process, client_cpu = cpu_by_process(server.process.pid), sum(cpu_s(pid) for pid in pids)
+    server_cpu = sum(by_process.values())
+    reloads_before = metric_total(scheduler_metrics, "carpool_adapter_reloads_total")
     began = time.monotonic()
     deadline.value = began + args.seconds
     go.set()
@@ -275,7 +303,10 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
         time.sleep(1.0)
     run.seconds = time.monotonic() - began
     run.connections = open_sockets(server.process.pid)
-    run.server_cpu = (cpu_s(server.process.pid) - server_cpu) / run.seconds
+    after = cpu_by_process(server.process.pid)
+    run.server_cpu = (sum(after.values()) - server_cpu) / run.seconds
+    run.process_cpu = {label: (seconds - by_process.get(label, 0.0)) / run.seconds
+                       for label, seconds in after.items()}
     run.client_cpu = (sum(cpu_s(pid) for pid in pids) - client_cpu) / run.seconds
     for _ in workers:
         totals: ClientTotals = out.get(timeout=SETUP_TIMEOUT_S)
@@ -285,34 +316,42 @@ def run_n(server: Server, n: int, offset: int, args: argparse.Namespace) -> Run:
             run.rtt[kind].extend(values)
     for worker in workers:
         worker.join(timeout=60)
-    run.wait_p95_ms = wait_p95_ms(waits_before, queue_wait_buckets(server))
-    reloads_after = metric_total(server, "carpool_adapter_reloads_total")
+    run.wait_p95_ms = wait_p95_ms(waits_before, queue_wait_buckets(scheduler_metrics))
+    reloads_after = metric_total(scheduler_metrics, "carpool_adapter_reloads_total")
     if reloads_before is not None and reloads_after is not None:
         run.reloads = reloads_after - reloads_before
     run.steps = len(run.rtt["fb"])
     return run
 
 
-def metric_lines(server: Server, prefix: str) -> list[str]:
-    """The server's /metrics sample lines starting with `prefix`; [] if it cannot be read."""
+def metrics_url(server: Server, args: argparse.Namespace) -> str:
+    """Where the scheduler's series are: the scheduler child's own port in cluster mode (unless
+    `--scheduler-thread`), else the gateway's /metrics."""
+    if args.scheduler_metrics_port is not None:
+        return f"http://127.0.0.1:{args.scheduler_metrics_port}/metrics"
+    return f"{server.url}/metrics"
+
+
+def metric_lines(url: str, prefix: str) -> list[str]:
+    """The /metrics sample lines at `url` starting with `prefix`; [] if it cannot be read."""
     try:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        text = httpx.get(url, timeout=10).text
     except httpx.HTTPError:
         return []
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
-def metric_total(server: Server, name: str) -> float | None:
+def metric_total(url: str, name: str) -> float | None:
     """The sum of a counter over its label sets on the server's /metrics; None if it exports none."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in metric_lines(server, name)]
+    values = [float(line.rsplit(" ", 1)[1]) for line in metric_lines(url, name)]
     return sum(values) if values else None
 
 
-def queue_wait_buckets(server: Server) -> list[tuple[float, float]]:
+def queue_wait_buckets(url: str) -> list[tuple[float, float]]:
     """(le, cumulative count) of the server's queue-wait histogram, summed over its label sets; [] if /metrics
     exports none."""
     counts: dict[float, float] = {}
-    for line in metric_lines(server, "carpool_queue_wait_seconds_bucket"):
+    for line in metric_lines(url, "carpool_queue_wait_seconds_bucket"):
         le = line.split('le="', 1)[1].split('"', 1)[0]
         bound = float("inf") if le == "+Inf" else float(le)
         counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -346,6 +385,9 @@ def report(runs: list[Run], rss_start: float, rss_end: float, tokens: int) -> No
               f"{p(r.rtt['optim'], 50):>8.0f} {p(r.rtt['optim'], 95):>8.0f} {wait:>9} {r.errors:>6} "
               f"{max(r.rss_mb, default=0):>8.0f} {r.rss_window_growth_pct:>6.1f} {r.server_cpu:>7.2f} "
               f"{r.client_cpu:>7.2f} {r.client_procs:>5} {r.reloads_per_step:>12.2f} {r.connections:>7}")
+    for r in runs:
+        busiest = sorted(r.process_cpu.items(), key=lambda item: -item[1])[:6]
+        print(f"N={r.tenants} server cores by process: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest))
     big = max(runs, key=lambda r: r.tenants)
     small = min((r for r in runs if r.tenants >= 8), key=lambda r: r.tenants, default=runs[0])
     ratio = big.tokens_per_s / small.tokens_per_s if small.tokens_per_s else float("nan")
@@ -371,6 +413,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--resident", type=int, default=16, help="CARPOOL_MAX_RESIDENT_ADAPTERS of the server")
     parser.add_argument("--mode", default="embedded", choices=["embedded", "cluster"])
+    parser.add_argument("--scheduler-thread", action="store_true",
+                        help="cluster mode: keep the scheduler in the gateway's process (`cluster up`'s default) "
+                             "instead of its own process, as production runs it")
     parser.add_argument("--quick", action="store_true", help="N = 1, 8, 32 for 8 s each")
     parser.add_argument("--client-procs", type=int, default=0,
                         help="client processes per N (0: one per --tenants-per-proc tenants)")
@@ -388,6 +433,11 @@ def main() -> None:
     from worker.models.devmodel import build_dev_model
 
     env = {"OMP_NUM_THREADS": "1", "CARPOOL_MAX_RESIDENT_ADAPTERS": str(args.resident)}
+    args.scheduler_metrics_port = None
+    if args.mode == "cluster" and not args.scheduler_thread:
+        args.scheduler_metrics_port = free_port()
+        env |= {"CARPOOL_SCHEDULER_PROCESSES": "true",
+                "CARPOOL_SCHEDULER_METRICS_PORT": str(args.scheduler_metrics_port)}
     with tempfile.TemporaryDirectory(prefix="carpool-bench-load-") as tmp:
         model_dir = build_dev_model(Path(tmp) / "model", layers=2, hidden=64, vocab=512, seed=0)
         server = start_server(Path(tmp) / "data", model_dir, extra_env=env, mode=args.mode)

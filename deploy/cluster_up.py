@@ -2,11 +2,15 @@
 
     cluster up ─▶ PostgreSQL database (CARPOOL_DATABASE_URL, or `carpool` on the local server, created
                   and migrated) ─▶ local Ray ─▶ Serve worker deployments ─▶ one SchedulerService per base
-                  model ─▶ cluster gateway on --port ─▶ one `carpool hub-worker` child process (hub
+                  model (a thread, or with CARPOOL_SCHEDULER_PROCESSES a `carpool scheduler` child
+                  process) ─▶ cluster gateway on --port ─▶ one `carpool hub-worker` child process (hub
                   pushes) ─▶ until SIGINT/SIGTERM, then everything stops
 
 Every part is the production one (the same processes `carpool worker`, `carpool scheduler` and `carpool
-serve --mode cluster` run separately); only the schedulers share the gateway's process here.
+serve --mode cluster` run separately). By default the schedulers share the gateway's process, so the
+gateway's /metrics shows all their series; with `scheduler_processes` each has a process (and a GIL) of its
+own, as in production, which is what lets one box serve hundreds of clients (docs/reliability.md), and
+only their pass counters reach the gateway's /metrics (through Redis, published by the scheduler).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
+from deploy.child_process import ChildProcess, carpool_command, child_env
 from deploy.cluster_gateway import build_cluster_gateway
 from deploy.cluster_wiring import cluster_config, connect_redis, open_cluster_database, process_name
 from deploy.embedded import StartupError, install_key_redaction
@@ -103,15 +108,18 @@ def cluster_up(settings: ClusterSettings) -> None:
     settings = ensure_database(settings)
     config = cluster_config(settings)
     start_ray(settings, config)
-    schedulers: list[SchedulerService] = []
+    schedulers: list[SchedulerService | ChildProcess] = []
     gateway: Any = None
     hub_worker = HubWorkerProcess(settings)
     try:
         client, db = connect_redis(settings), open_cluster_database(settings)
         # One registry for the process: the gateway's /metrics shows its schedulers' series too.
         metrics = ProcessMetrics.create(per_tenant=settings.metrics_per_tenant)
-        schedulers = [SchedulerService(settings, spec.name, client, db, process_name("scheduler"), metrics)
-                      for spec in config.base_models]
+        if settings.scheduler_processes:
+            schedulers.extend(scheduler_children(settings, config))
+        else:
+            schedulers.extend(SchedulerService(settings, spec.name, client, db, process_name("scheduler"), metrics)
+                              for spec in config.base_models)
         for scheduler in schedulers:
             scheduler.start()
         gateway = build_cluster_gateway(settings, metrics=metrics)
@@ -129,6 +137,19 @@ def cluster_up(settings: ClusterSettings) -> None:
         if gateway is not None:
             gateway.close()
         stop_ray(settings, config)
+
+
+def scheduler_children(settings: ClusterSettings, config: ClusterConfig) -> list[ChildProcess]:
+    """One `carpool scheduler --base-model NAME` child per base model, with `cluster up`'s settings; the
+    i-th serves /metrics on `scheduler_metrics_port` + i when that is set."""
+    children = []
+    for index, spec in enumerate(config.base_models):
+        env = child_env(settings)
+        if settings.scheduler_metrics_port is not None:
+            env["CARPOOL_METRICS_PORT"] = str(settings.scheduler_metrics_port + index)
+        children.append(ChildProcess(f"scheduler of {spec.name}", carpool_command("scheduler", "--base-model",
+                                                                                 spec.name), env))
+    return children
 
 
 def run_workers(settings: ClusterSettings) -> None:

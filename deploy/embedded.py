@@ -29,6 +29,7 @@ from services.control.plane import ServiceControlPlane
 from services.control.quotas import QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
+from services.control.sessions import heartbeat_write_interval
 from services.control.sweeper import Sweeper, SweeperThread, SweepOptions
 from services.db import Database, open_database
 from services.db.request_log import fail_unfinished_requests
@@ -178,6 +179,7 @@ def _checkpoint_store(settings: ServiceSettings) -> CheckpointStore:
 def _control_options(settings: ServiceSettings) -> ControlOptions:
     return ControlOptions(long_poll_max_s=settings.long_poll_seconds,
                           answered_result_s=settings.answered_result_seconds,
+                          heartbeat_write_s=heartbeat_write_interval(settings.stale_session_seconds),
                           download_url_ttl_s=float(settings.download_url_ttl_seconds),
                           default_max_models=settings.default_max_models_per_tenant,
                           scratch_dir=settings.scratch_dir, quotas=_quota_options(settings))

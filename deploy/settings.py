@@ -310,6 +310,14 @@ class ClusterSettings(ServiceSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "Port of the Prometheus /metrics endpoint of a scheduler (`carpool scheduler`) or hub worker, which "
         "serve no other HTTP; unset: none. Gateways serve /metrics on their own port."))
+    scheduler_processes: bool = Field(False, description=(
+        "`cluster up` only: run each base model's scheduler as a `carpool scheduler` child process, as a "
+        "production deployment does, instead of a thread of the gateway's process. The scheduler then has a "
+        "GIL of its own (with hundreds of clients the gateway's threads starved it). Its pass counters still reach "
+        "the gateway's /metrics through Redis; its own series (queue waits, reloads) are on scheduler_metrics_port."))
+    scheduler_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "With scheduler_processes: port of the first scheduler child's /metrics (the next base model's on the "
+        "next port); unset: none."))
 
     @property
     def resolved_snapshot_dir(self) -> Path:

@@ -57,6 +57,9 @@ class ControlOptions:
     """How long a result stays in the result store once `retrieve` answered it to its owner (for a retry of a
     lost response; 0: dropped at once). Unretrieved results keep their full TTL. The SDK fetches each result
     once, so this, not the hour of the TTL, bounds the store's memory (`ResultStore.answered`)."""
+    heartbeat_write_s: float = 30.0
+    """A session's `last_heartbeat_at` is written at most this often (`sessions.heartbeat_write_interval`
+    derives the service's from its stale-session limit)."""
     download_url_ttl_s: float = 3600.0
     """Lifetime of signed external-weights download URLs."""
     sampler_load_timeout_s: float = 300.0

@@ -89,7 +89,7 @@ class ServiceControlPlane:
         quotas = QuotaGate(options.quotas, quota_store, default_max_models=options.default_max_models)
         self.ctx = ControlContext(db, queue, results, notifier, store, registry, options, quotas=quotas)
         samplers = samplers or SamplerDirectory()
-        self._sessions = SessionOps(self.ctx)
+        self._sessions = SessionOps(self.ctx, options.heartbeat_write_s)
         self._models = ModelOps(self.ctx)
         self._training = TrainingOps(self.ctx, OrderedSubmitter(self.ctx), samplers)
         self._sampling = SamplingOps(self.ctx, samplers, loads)

@@ -267,13 +267,14 @@ class QuotaGate:
         limit = _first_set(tenant.quotas.max_concurrent_requests, self.options.default_max_concurrent_requests)
         if limit is None:
             return
+        unfinished = count_unfinished_requests(db, TenantId(tenant.id))
+        if unfinished < limit:
+            return  # the common case: one statement (the gap is looked for only when it could matter)
         if model_id is not None and seq_id is not None and _fills_a_gap(db, model_id, seq_id):
             return
-        unfinished = count_unfinished_requests(db, TenantId(tenant.id))
-        if unfinished >= limit:
-            raise self._refuse(tenant, "max_concurrent_requests", QuotaExceeded(
-                f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is {limit}",
-                retry_after_s=self.options.concurrency_retry_after_s))
+        raise self._refuse(tenant, "max_concurrent_requests", QuotaExceeded(
+            f"tenant {tenant.name} has {unfinished} unfinished requests, its limit is {limit}",
+            retry_after_s=self.options.concurrency_retry_after_s))
 
     def check_storage(self, db: Session, tenant: Tenant, *, replacing: bool = False) -> None:
         """Before a named save: `Invalid` (400) when the tenant's stored checkpoints reach a limit.

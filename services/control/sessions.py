@@ -18,17 +18,26 @@ from services.db.statements import MAX_PAGE_SIZE
 MAX_CHILDREN = MAX_PAGE_SIZE
 """Runs and samplers listed per session view (the API has no cursor there)."""
 HEARTBEAT_WRITE_INTERVAL_S = 30.0
-"""A session's `last_heartbeat_at` is written at most this often (the beats between are checked by a read).
-A live session's recorded beat is then at most this + the SDK's 10 s period old: `stale_session_seconds`
-(default 3600) must stay well above that."""
+"""The shortest interval at which a session's `last_heartbeat_at` is written (the beats between are checked
+by a read, or not at all); `heartbeat_write_interval` gives the service's."""
+MAX_HEARTBEAT_WRITE_INTERVAL_S = 300.0
+STALE_TO_WRITE_RATIO = 12.0
 
 
-_WRITE_INTERVAL = timedelta(seconds=HEARTBEAT_WRITE_INTERVAL_S)
+def heartbeat_write_interval(stale_session_s: float) -> float:
+    """How often a live session's beat is written, for a sweeper that finishes sessions silent for
+    `stale_session_s`: a twelfth of that, between 30 s and 300 s (the default hour gives 300 s).
+
+    A live session's recorded beat is then at most this + the SDK's 10 s period old, far inside the sweeper's
+    limit. Nothing else reads the column at a finer grain, and at 512 SDK clients (50 beats a second) the
+    writes every 30 s were a third of all beats, each taking SQLite's one write lock from the submissions."""
+    return min(MAX_HEARTBEAT_WRITE_INTERVAL_S, max(HEARTBEAT_WRITE_INTERVAL_S, stale_session_s / STALE_TO_WRITE_RATIO))
 
 
 class SessionOps:
-    def __init__(self, ctx: ControlContext) -> None:
+    def __init__(self, ctx: ControlContext, write_interval_s: float = HEARTBEAT_WRITE_INTERVAL_S) -> None:
         self._ctx = ctx
+        self._write_interval = timedelta(seconds=write_interval_s)
         self._beats: OwnedFacts[datetime] = OwnedFacts()
         """Per live session of a tenant, its recorded heartbeat as this process last wrote or read it. The SDK
         beats every 10 s per client, so with hundreds of clients heartbeats were a sixth of the gateway's
@@ -51,16 +60,16 @@ class SessionOps:
         return session_id
 
     async def heartbeat(self, tenant: Tenant, session_id: SessionId) -> None:
-        """Mark the session alive: a write at most every `HEARTBEAT_WRITE_INTERVAL_S`, and no transaction at all
-        while this process knows the recorded beat is younger than that (`_beats`)."""
+        """Mark the session alive: a write at most every write interval, and no transaction at all while this
+        process knows the recorded beat is younger than that (`_beats`)."""
         now = self._ctx.clock()
         recorded = self._beats.get(tenant.id, session_id)
-        if recorded is not None and now - recorded < _WRITE_INTERVAL:
+        if recorded is not None and now - recorded < self._write_interval:
             return  # the database would only be read, and answer "alive"
 
         def tx(db: Session) -> tuple[bool, datetime | None]:
             beat = record_heartbeat(db, TenantId(tenant.id), session_id, now=now,
-                                    min_interval_s=HEARTBEAT_WRITE_INTERVAL_S)
+                                    min_interval_s=self._write_interval.total_seconds())
             # A finished session's heartbeat is harmless; only an unknown one is an error.
             return beat is not None or get_session(db, TenantId(tenant.id), session_id) is not None, beat
 

@@ -95,8 +95,12 @@ def set_tenant_quotas(db: Session, tenant_id: TenantId, quotas: TenantQuotas) ->
     return execute_count(db, update(TenantRow).where(TenantRow.id == tenant_id).values(**values)) == 1
 
 
+_QUOTA_FIELDS = tuple(field.name for field in dataclasses.fields(TenantQuotas))
+"""Read once: the gateway's key re-check builds a `Tenant` per key in use (hundreds every few seconds)."""
+
+
 def tenant_quotas(row: TenantRow) -> TenantQuotas:
-    return TenantQuotas(**{field.name: getattr(row, field.name) for field in dataclasses.fields(TenantQuotas)})
+    return TenantQuotas(**{name: getattr(row, name) for name in _QUOTA_FIELDS})
 
 
 def add_api_key(

@@ -8,6 +8,10 @@ learning rate) alone, and its per-step losses and final logprobs must equal the 
 `GET /metrics` must show passes that held more than one tenant during the concurrent run, and none while
 the tenants trained alone; the server log must show passes with all three.
 
+In cluster mode the scheduler runs as a child process of `cluster up` (`CARPOOL_SCHEDULER_PROCESSES`, the
+production layout: its own process beside the gateway's); the module checks that child exists, that its
+own /metrics port measured the requests' queue waits, and that it is gone once the cluster stopped.
+
 This module's server uses a 100 ms batch window (`CARPOOL_BATCH_WINDOW_MS`) instead of 5 ms, so that
 requests submitted together on two busy shared cores reliably land in the same pass.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +31,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server, free_port, start_server
 
 STEPS = 5
 PROBE = [[9, 81, 7, 300, 44, 12, 5], [250, 3, 3, 61, 199]]
@@ -58,13 +63,37 @@ PLANS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
+def scheduler_metrics_port(e2e_mode: str) -> int | None:
+    """In cluster mode the scheduler runs as `cluster up`'s child process, as production runs it
+    (`CARPOOL_SCHEDULER_PROCESSES`; the other cluster-mode modules keep `cluster up`'s default, a thread),
+    and serves its pass counters on a port of its own."""
+    return free_port() if e2e_mode == "cluster" else None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str,
+           scheduler_metrics_port: int | None) -> Iterator[Server]:
+    env = {"CARPOOL_BATCH_WINDOW_MS": "100"}
+    if scheduler_metrics_port is not None:
+        env |= {"CARPOOL_SCHEDULER_PROCESSES": "true", "CARPOOL_SCHEDULER_METRICS_PORT": str(scheduler_metrics_port)}
     srv = start_server(tmp_path_factory.mktemp(f"carpool-mt-{e2e_mode}"), e2e_model_dir, mode=e2e_mode,
-                       extra_env={"CARPOOL_BATCH_WINDOW_MS": "100"})
+                       extra_env=env)
+    children = _scheduler_children(srv.process.pid)
     try:
         yield srv
     finally:
         srv.stop()
+    for pid in children:  # stopped with the cluster: gone, not orphaned
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def _scheduler_children(pid: int) -> list[int]:
+    """`carpool scheduler` processes among the direct children of `pid`."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [c for c in children if b"scheduler\0--base-model" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def _batch(plan: TenantPlan, step: int) -> tuple[list[types.Datum], str]:
@@ -106,13 +135,34 @@ def _train(client: tinker.TrainingClient, plan: TenantPlan, run: Run, barrier: t
 
 
 def _multi_tenant_passes(server: Server) -> float:
+    """From the gateway's /metrics: the scheduler's counters as it publishes them (its own process's, or in
+    cluster mode through Redis)."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     match = re.search(r"^carpool_runtime_multi_tenant_passes_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
     assert match, text[:2000]
     return float(match.group(1))
 
 
-def test_three_tenants_concurrently_equal_each_alone(server: Server, base_model: str) -> None:
+def _waits_measured(port: int) -> float:
+    """Requests whose queue wait the scheduler child measured, from its own /metrics (which it serves once
+    it has started: the gateway is healthy as soon as the workers are, the child may still be importing)."""
+    for _ in range(600):
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            break
+        except httpx.ConnectError:
+            time.sleep(0.1)
+    else:
+        raise AssertionError(f"the scheduler child serves no /metrics on port {port} after 60 s")
+    return sum(float(v) for v in re.findall(r"^carpool_queue_wait_seconds_count\{[^}]*\} ([0-9.e+]+)$", text,
+                                            re.MULTILINE))
+
+
+def test_three_tenants_concurrently_equal_each_alone(server: Server, base_model: str,
+                                                     scheduler_metrics_port: int | None) -> None:
+    if scheduler_metrics_port is not None:  # the passes below run in the scheduler's own process
+        assert len(_scheduler_children(server.process.pid)) == 1, "no `carpool scheduler` child process"
+        waits_before = _waits_measured(scheduler_metrics_port)
     keys = {plan.name: server.create_tenant(plan.name) for plan in PLANS}
     clients = {name: tinker.ServiceClient(base_url=server.url, api_key=key) for name, key in keys.items()}
     models = {plan.name: clients[plan.name].create_lora_training_client(
@@ -139,6 +189,8 @@ def test_three_tenants_concurrently_equal_each_alone(server: Server, base_model:
     assert not errors, errors
     shared = _multi_tenant_passes(server) - before
     assert shared >= 1, "no pass held more than one tenant's requests"
+    if scheduler_metrics_port is not None:  # the child ran them: fb + optim_step of every tenant's steps
+        assert _waits_measured(scheduler_metrics_port) - waits_before >= 2 * STEPS * len(PLANS)
     three_tenant_passes = re.findall(r"pass \S+: \d+ requests, \d+ tokens, 3 tenants", server.log())
     assert three_tenant_passes, server.log()[-3000:]
 

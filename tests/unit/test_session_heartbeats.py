@@ -1,7 +1,8 @@
-"""Session heartbeats: a write at most every 30 s, and no transaction while this process knows the recorded
-beat is younger than that. The SDK beats every 10 s per client; with hundreds of clients heartbeats were a
-sixth of the gateway's database work. Answers stay what the database gives: a foreign or unknown session is
-404 every time, a finished one is harmless (no error)."""
+"""Session heartbeats: a write at most every 30 s (in the service a twelfth of its stale-session limit,
+300 s by default), and no transaction while this process knows the recorded beat is younger than that. The
+SDK beats every 10 s per client; with hundreds of clients heartbeats were a sixth of the gateway's database
+work. Answers stay what the database gives: a foreign or unknown session is 404 every time, a finished one
+is harmless (no error)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
+from deploy.embedded import _control_options
+from deploy.settings import ServiceSettings
 from services.auth.tenants import Tenant
 from services.control.api import NotFound
-from services.control.sessions import SessionOps
+from services.control.sessions import SessionOps, heartbeat_write_interval
 from services.db import database_url_for_data_dir, open_database
 from services.db.database import Database
 from services.db.ids import SessionId
@@ -128,5 +131,21 @@ def test_a_session_created_here_needs_no_transaction_for_its_first_beats(ctx: Fa
         asyncio.run(ops.heartbeat(tenant, session))
     assert ctx.transactions == 1
     ctx.now = T0 + timedelta(seconds=31)
+    asyncio.run(ops.heartbeat(tenant, session))
+    assert ctx.transactions == 2 and _recorded(ctx, tenant, session) == ctx.now
+
+
+def test_the_service_writes_a_beat_a_twelfth_of_its_stale_limit_apart(ctx: FakeContext, tmp_path: Path) -> None:
+    """At 512 SDK clients (50 beats a second) a write every 30 s was a third of all beats, each taking
+    SQLite's write lock from the submissions; the sweeper only compares the column against an hour."""
+    assert [heartbeat_write_interval(s) for s in (60, 1200, 3600, 86400)] == [30.0, 100.0, 300.0, 300.0]
+    assert _control_options(ServiceSettings(data_dir=tmp_path)).heartbeat_write_s == 300.0
+    tenant, session = _tenant(ctx, "a")
+    ops = SessionOps(ctx, heartbeat_write_interval(3600))  # type: ignore[arg-type]
+    for seconds in (10, 100, 200, 299):  # the creation's beat is fresh: read once, then known
+        ctx.now = T0 + timedelta(seconds=seconds)
+        asyncio.run(ops.heartbeat(tenant, session))
+    assert ctx.transactions == 1 and _recorded(ctx, tenant, session) == T0
+    ctx.now = T0 + timedelta(seconds=301)
     asyncio.run(ops.heartbeat(tenant, session))
     assert ctx.transactions == 2 and _recorded(ctx, tenant, session) == ctx.now
