@@ -1,8 +1,8 @@
 """Load and scale: N tenants train through the `tinker` SDK at once, for a bounded time, at several N.
 
-Starts `carpool serve` (embedded), or with `--mode cluster` `carpool cluster up` with the scheduler in a
-process of its own as production runs it (`CARPOOL_SCHEDULER_PROCESSES`; `--scheduler-thread` keeps it in
-the gateway's process), on the tiny random-weight dev model and, for each N
+Starts `carpool cluster up` (the default `--mode cluster`) with the scheduler in a process of its own as
+production runs it (`CARPOOL_SCHEDULER_PROCESSES`; `--scheduler-thread` keeps it in the gateway's process),
+or `carpool serve` (`--mode embedded`), on the tiny random-weight dev model and, for each N
 in `--tenants` (default 1, 8, 32, 128, 512), creates N tenants (keys written straight into the server's
 database, the CLI would take seconds per tenant), gives each its own `ServiceClient` and LoRA model, and
 runs them closed-loop for `--seconds`: forward_backward(1 x T tokens) → optim_step → next. The server's
@@ -31,7 +31,7 @@ later N's new tenants; the largest N run stands in for 512 and the smallest N >=
 in the list). The figures mean little on a shared 2-core box; say so when quoting them (docs/reliability.md
 does).
 
-    .venv/bin/python bench/load.py [--quick] [--tenants 1,8,32] [--seconds 20] [--mode embedded]
+    .venv/bin/python bench/load.py [--quick] [--tenants 1,8,32] [--seconds 20] [--mode embedded|cluster]
 """
 
 from __future__ import annotations
@@ -412,7 +412,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per forward_backward")
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--resident", type=int, default=16, help="CARPOOL_MAX_RESIDENT_ADAPTERS of the server")
-    parser.add_argument("--mode", default="embedded", choices=["embedded", "cluster"])
+    parser.add_argument("--mode", default="cluster", choices=["embedded", "cluster"],
+                        help="cluster (default: the deployment for many tenants, as issue 13 asks) or embedded")
     parser.add_argument("--scheduler-thread", action="store_true",
                         help="cluster mode: keep the scheduler in the gateway's process (`cluster up`'s default) "
                              "instead of its own process, as production runs it")
