@@ -29,7 +29,7 @@ test: install services
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint deploy/docker/Dockerfile.*
-	CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	CARPOOL_TEST_STRICT=1 $(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
