@@ -29,7 +29,7 @@ from deploy.child_process import ChildProcess, carpool_command, child_env
 from deploy.cluster_gateway import build_cluster_gateway
 from deploy.cluster_wiring import cluster_config, connect_redis, open_cluster_database, process_name
 from deploy.embedded import StartupError, install_key_redaction
-from deploy.hub_process import HubWorkerProcess
+from deploy.hub_process import hub_worker_process
 from deploy.scheduler_service import SchedulerService
 from deploy.settings import ClusterSettings
 from services.db.engine import normalize_database_url
@@ -110,10 +110,10 @@ def cluster_up(settings: ClusterSettings) -> None:
     start_ray(settings, config)
     schedulers: list[SchedulerService | ChildProcess] = []
     gateway: Any = None
-    hub_worker = HubWorkerProcess(settings)
+    hub_worker = hub_worker_process(settings)
     try:
         client, db = connect_redis(settings), open_cluster_database(settings)
-        # One registry for the process: the gateway's /metrics shows its schedulers' series too.
+        # One registry for the process: the gateway's /metrics shows its scheduler threads' series too.
         metrics = ProcessMetrics.create(per_tenant=settings.metrics_per_tenant)
         if settings.scheduler_processes:
             schedulers.extend(scheduler_children(settings, config))

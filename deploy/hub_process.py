@@ -12,7 +12,6 @@ running push may finish) and kills after `stop_timeout_s`; `acks_late` redeliver
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from deploy.child_process import STOP_TIMEOUT_S, ChildProcess, carpool_command, child_env
@@ -24,30 +23,8 @@ def hub_worker_command(concurrency: int = 2) -> list[str]:
     return carpool_command("hub-worker", "--concurrency", str(concurrency))
 
 
-def hub_worker_env(settings: ClusterSettings, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The child's environment: `base` (default: ours) with the settings `cluster up` resolved itself."""
-    return child_env(settings, base)
-
-
-class HubWorkerProcess:
-    """One `carpool hub-worker` child: `start()`, `running`, `stop()`."""
-
-    def __init__(self, settings: ClusterSettings, *, concurrency: int = 2, log_file: Path | None = None,
-                 stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
-        self._child = ChildProcess("hub worker", hub_worker_command(concurrency), hub_worker_env(settings),
-                                   log_file=log_file, stop_timeout_s=stop_timeout_s)
-
-    @property
-    def running(self) -> bool:
-        return self._child.running
-
-    @property
-    def pid(self) -> int | None:
-        return self._child.pid
-
-    def start(self) -> None:
-        self._child.start()
-
-    def stop(self) -> int | None:
-        """Stop the child (SIGTERM, then SIGKILL after the timeout); returns its exit code."""
-        return self._child.stop()
+def hub_worker_process(settings: ClusterSettings, *, concurrency: int = 2, log_file: Path | None = None,
+                       stop_timeout_s: float = STOP_TIMEOUT_S) -> ChildProcess:
+    """The `carpool hub-worker` child of `cluster up` (not started yet)."""
+    return ChildProcess("hub worker", hub_worker_command(concurrency), child_env(settings), log_file=log_file,
+                        stop_timeout_s=stop_timeout_s)

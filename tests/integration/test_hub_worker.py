@@ -110,11 +110,12 @@ def test_hub_worker_refuses_to_start_without_a_secret_key(tmp_path: Path) -> Non
 
 def test_cluster_up_runs_a_hub_worker_that_consumes_pushes_and_stops_with_it(
         database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`carpool cluster up` starts one `carpool hub-worker` child (`HubWorkerProcess`) with the cluster's
+    """`carpool cluster up` starts one `carpool hub-worker` child (`hub_worker_process`) with the cluster's
     settings: a push queued by the gateway is executed (here: failed, the hub is unreachable) instead of
     staying queued, and stopping the cluster stops the child."""
+    from deploy.child_process import child_env
     from deploy.cluster_commands import cluster_settings
-    from deploy.hub_process import HubWorkerProcess, hub_worker_env
+    from deploy.hub_process import hub_worker_process
 
     prefix = f"carpool-hubup-{uuid.uuid4().hex[:8]}"
     push_id, tenant_id = _queued_push(database_url, tmp_path / "data")
@@ -125,9 +126,9 @@ def test_cluster_up_runs_a_hub_worker_that_consumes_pushes_and_stops_with_it(
                        "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HUB_OFFLINE": "0"}.items():
         monkeypatch.setenv(key, value)
     settings = cluster_settings(data_dir=tmp_path / "data")
-    env = hub_worker_env(settings)
+    env = child_env(settings)
     assert env["CARPOOL_DATA_DIR"] == str(tmp_path / "data") and "CARPOOL_METRICS_PORT" not in env
-    worker = HubWorkerProcess(settings, concurrency=1, log_file=tmp_path / "hub.log", stop_timeout_s=20)
+    worker = hub_worker_process(settings, concurrency=1, log_file=tmp_path / "hub.log", stop_timeout_s=20)
     worker.start()
     db = open_database(database_url)
     try:
