@@ -21,9 +21,10 @@ from typing import Any, TextIO
 from deploy.admin import bootstrap_admin
 from deploy.gc_tuning import tune_collector
 from deploy.metrics_wiring import engine_replicas
+from deploy.options import StartupError
 from deploy.settings import BaseModelSpec, ServiceSettings
 from deploy.storage_wiring import checkpoint_store, staged_backend
-from services.auth.log_redaction import RedactApiKeysFilter
+from services.auth.log_redaction import install_key_redaction
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
 from services.control.quotas import QuotaOptions
@@ -42,10 +43,6 @@ from services.storage import CheckpointStore, load_or_create_secret, safe_compon
 log = logging.getLogger(__name__)
 
 RESTART_ERROR = "the server restarted before this request finished; submit it again"
-
-
-class StartupError(RuntimeError):
-    """Something that keeps the service from starting; the message says what to do about it."""
 
 
 @dataclass
@@ -74,15 +71,6 @@ class EmbeddedService:
         for loop in self.loops:
             loop.stop()
         self.db.dispose()
-
-
-def install_key_redaction() -> None:
-    """Redact API keys from every log record. Handler filters see records of all loggers (a filter on a
-    logger only sees that logger's own records), so the filter goes on the root logger and its handlers."""
-    root = logging.getLogger()
-    for target in (root, *root.handlers):
-        if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):
-            target.addFilter(RedactApiKeysFilter())
 
 
 def resolve_base_models(settings: ServiceSettings) -> list[tuple[BaseModelSpec, Path]]:

@@ -12,8 +12,7 @@ from pathlib import Path
 import typer
 
 from deploy.cluster_commands import cluster_settings
-from deploy.embedded import StartupError
-from deploy.options import fail
+from deploy.options import StartupError, fail
 
 
 def hub_worker(

@@ -42,3 +42,12 @@ class RedactApiKeysFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = redact_key(record.exc_text)
         return True
+
+
+def install_key_redaction() -> None:
+    """Redact API keys from every log record. Handler filters see records of all loggers (a filter on a
+    logger only sees that logger's own records), so the filter goes on the root logger and its handlers."""
+    root = logging.getLogger()
+    for target in (root, *root.handlers):
+        if not any(isinstance(f, RedactApiKeysFilter) for f in target.filters):
+            target.addFilter(RedactApiKeysFilter())

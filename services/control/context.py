@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from sqlalchemy import Select, bindparam, func, select
+from sqlalchemy import Select, and_, bindparam, func, select
 from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
@@ -30,6 +30,8 @@ from services.db.columns import utcnow
 from services.db.database import Database
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
+from services.db.request_log import UNFINISHED
+from services.db.runs import RunFacts
 from services.db.statements import core
 from services.domain.training import WorkError
 from services.jobqueue.protocol import (
@@ -174,14 +176,44 @@ class TakenSeq:
     """Whether a scheduler ever reported it running (an edge refusal never is)."""
 
 
-def seq_taken(db: Session, model_id: ModelId, seq_id: int) -> TakenSeq | None:
-    """`request_for_seq` as a `TakenSeq`, through a Core statement: the ordered submissions' hot path."""
-    row = core(db).execute(_SEQ_TAKEN, {"model_id": model_id, "seq_id": seq_id}).one_or_none()
-    return None if row is None else TakenSeq(RequestId(row[0]), row[1], row[2], row[3] is not None)
+@dataclass(frozen=True)
+class SubmissionFacts:
+    """What an ordered submission reads before it decides: the run, the row holding its seq id, and the
+    tenant's unfinished requests (counted only when a concurrency limit is in force)."""
+
+    run: RunFacts
+    taken: TakenSeq | None
+    unfinished: int | None
 
 
-_SEQ_TAKEN = select(RequestRow.id, RequestRow.kind, RequestRow.status, RequestRow.started_at).where(
-    RequestRow.model_id == bindparam("model_id"), RequestRow.seq_id == bindparam("seq_id"))
+def submission_facts(db: Session, tenant_id: TenantId, model_id: ModelId, seq_id: int, *,
+                     count_unfinished: bool) -> SubmissionFacts | None:
+    """The run (None if it is not the tenant's), its seq id's row and the unfinished count in ONE statement:
+    every ordered submission reads them, and at 512 cluster tenants their three round trips were a third of
+    the gateway's database time (py-spy)."""
+    stmt = _FACTS_COUNTED if count_unfinished else _FACTS
+    row = core(db).execute(stmt, {"model_id": model_id, "tenant_id": tenant_id, "seq_id": seq_id}).one_or_none()
+    if row is None:
+        return None
+    taken = None if row[3] is None else TakenSeq(RequestId(row[3]), row[4], row[5], row[6] is not None)
+    return SubmissionFacts(RunFacts(ModelId(row[0]), SessionId(row[1]), row[2]), taken,
+                           int(row[7]) if count_unfinished else None)
+
+
+def _facts_statement(count_unfinished: bool) -> Select[Any]:
+    run, request = TrainingRunRow, RequestRow
+    columns: list[Any] = [run.id, run.session_id, run.base_model,
+                          request.id, request.kind, request.status, request.started_at]
+    if count_unfinished:
+        columns.append(select(func.count()).where(request.tenant_id == bindparam("tenant_id"),
+                                                  request.status.in_(UNFINISHED)).scalar_subquery())
+    # (model_id, seq_id) is unique: the outer join adds at most one row to the run's.
+    taken = and_(request.model_id == run.id, request.seq_id == bindparam("seq_id"))
+    return (select(*columns).select_from(run).outerjoin(request, taken)
+            .where(run.id == bindparam("model_id"), run.tenant_id == bindparam("tenant_id")))
+
+
+_FACTS, _FACTS_COUNTED = _facts_statement(False), _facts_statement(True)
 
 
 def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:

@@ -261,13 +261,21 @@ class QuotaGate:
                 f"tenant {tenant.name} already has {active} models, its limit is {limit}; unload one first",
                 retry_after_s=self.options.models_retry_after_s))
 
+    def concurrency_limit(self, tenant: Tenant) -> int | None:
+        """`max_concurrent_requests` in force for the tenant (None: unlimited)."""
+        return _first_set(tenant.quotas.max_concurrent_requests, self.options.default_max_concurrent_requests)
+
     def check_concurrency(self, db: Session, tenant: Tenant, *, model_id: ModelId | None = None,
-                          seq_id: int | None = None) -> None:
-        """Before logging a request: `QuotaExceeded` if the tenant has its limit of unfinished requests."""
-        limit = _first_set(tenant.quotas.max_concurrent_requests, self.options.default_max_concurrent_requests)
+                          seq_id: int | None = None, unfinished: int | None = None) -> None:
+        """Before logging a request: `QuotaExceeded` if the tenant has its limit of unfinished requests.
+
+        `unfinished`: the count, when the caller read it already in this transaction (`submission_facts`).
+        """
+        limit = self.concurrency_limit(tenant)
         if limit is None:
             return
-        unfinished = count_unfinished_requests(db, TenantId(tenant.id))
+        if unfinished is None:
+            unfinished = count_unfinished_requests(db, TenantId(tenant.id))
         if unfinished < limit:
             return  # the common case: one statement (the gap is looked for only when it could matter)
         if model_id is not None and seq_id is not None and _fills_a_gap(db, model_id, seq_id):

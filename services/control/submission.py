@@ -27,12 +27,12 @@ from sqlalchemy.orm import Session
 
 from services.auth.tenants import Tenant
 from services.control.api import Conflict, ControlError, Invalid, NotFound, QuotaExceeded, Submitted
-from services.control.context import ControlContext, TakenSeq, not_found, seq_taken
+from services.control.context import ControlContext, TakenSeq, not_found, submission_facts
 from services.control.quotas import QuotaGate
 from services.control.registry import ServedModel
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId
 from services.db.request_log import mark_request_failed, record_request
-from services.db.runs import RunFacts, reserve_seq_id, run_facts
+from services.db.runs import RunFacts, reserve_seq_id
 from services.scheduler.requests import RequestKind
 
 MAX_SEQ_ID = 2**31 - 2
@@ -135,16 +135,18 @@ class OrderedSubmitter:
 
     def _decide_tx(self, db: Session, call: OrderedCall) -> _Decision:
         tenant_id = TenantId(call.tenant.id)
-        run = run_facts(db, tenant_id, call.model_id)
-        if run is None:
-            raise NotFound(not_found("model", call.model_id), field="model_id")
-        existing = seq_taken(db, call.model_id, call.seq_id)
-        if existing is not None:
-            return self._retry(db, run, existing, call)
-        served = self._ctx.registry.for_run(run.base_model)
         quotas = None if call.kind_name == REJECTED_KIND else self._ctx.quotas
+        counted = quotas is not None and quotas.concurrency_limit(call.tenant) is not None
+        facts = submission_facts(db, tenant_id, call.model_id, call.seq_id, count_unfinished=counted)
+        if facts is None:
+            raise NotFound(not_found("model", call.model_id), field="model_id")
+        run = facts.run
+        if facts.taken is not None:
+            return self._retry(db, run, facts.taken, call)
+        served = self._ctx.registry.for_run(run.base_model)
         if quotas is not None:
-            quotas.check_concurrency(db, call.tenant, model_id=call.model_id, seq_id=call.seq_id)
+            quotas.check_concurrency(db, call.tenant, model_id=call.model_id, seq_id=call.seq_id,
+                                     unfinished=facts.unfinished)
         decision = _Decision(RequestId(""), served=served)
         try:
             decision.prepared = call.prepare(db, run, served)

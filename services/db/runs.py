@@ -89,17 +89,6 @@ class RunFacts(NamedTuple):
     base_model: str
 
 
-def run_facts(db: Session, tenant_id: TenantId, model_id: ModelId) -> RunFacts | None:
-    """`get_training_run`'s answer without loading the ORM row (its JSON columns and identity-map entry
-    were about a quarter of a `forward_backward` submission's database time); None if not the tenant's."""
-    row = core(db).execute(_RUN_FACTS, {"model_id": model_id, "tenant_id": tenant_id}).one_or_none()
-    return None if row is None else RunFacts(ModelId(row[0]), SessionId(row[1]), row[2])
-
-
-_RUN_FACTS = (select(TrainingRunRow.id, TrainingRunRow.session_id, TrainingRunRow.base_model)
-              .where(TrainingRunRow.id == bindparam("model_id"), TrainingRunRow.tenant_id == bindparam("tenant_id")))
-
-
 def list_training_runs(
     db: Session,
     tenant_id: TenantId,
