@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Select, and_, bindparam, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from services.auth.tenants import Tenant
 from services.control.pending import AcceptedRequests
@@ -205,8 +205,11 @@ def _facts_statement(count_unfinished: bool) -> Select[Any]:
     columns: list[Any] = [run.id, run.session_id, run.base_model,
                           request.id, request.kind, request.status, request.started_at]
     if count_unfinished:
-        columns.append(select(func.count()).where(request.tenant_id == bindparam("tenant_id"),
-                                                  request.status.in_(UNFINISHED)).scalar_subquery())
+        # Its own alias, never correlated: the count is over all the tenant's requests, not the joined row.
+        counted = aliased(RequestRow)
+        columns.append(select(func.count()).select_from(counted)
+                       .where(counted.tenant_id == bindparam("tenant_id"), counted.status.in_(UNFINISHED))
+                       .correlate(None).scalar_subquery())
     # (model_id, seq_id) is unique: the outer join adds at most one row to the run's.
     taken = and_(request.model_id == run.id, request.seq_id == bindparam("seq_id"))
     return (select(*columns).select_from(run).outerjoin(request, taken)
