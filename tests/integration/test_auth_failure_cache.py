@@ -18,7 +18,7 @@ from conftest import Harness
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
-from deploy.admin import redis_announcer, set_disabled
+from deploy.admin import create_key, redis_announcer, revoke_keys, set_disabled
 from deploy.settings import ServiceSettings
 from gateway.app import create_app
 from gateway.auth import DatabaseAuthenticator
@@ -141,6 +141,32 @@ def test_carpool_tenants_disable_ends_cached_logins_on_every_gateway(harness: Ha
         while asyncio.run(gateway.authenticate(issued.key)) is not None:
             assert time.monotonic() < deadline, "the disabled tenant's key kept working from the cache"
             time.sleep(0.01)
+    finally:
+        bus.close()
+        client.close()
+
+
+def test_carpool_keys_revoke_ends_that_key_on_every_gateway_and_no_other(harness: Harness, tmp_path: Path) -> None:
+    """The CLI announces each revoked key, not its whole tenant: an invalidated entry is refused from memory for
+    a moment, so a tenant-wide announcement also refused the tenant's other, live keys (401) until it passed."""
+    require_redis(REDIS_URL)
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=2)
+    prefix = f"test-auth-{uuid.uuid4().hex[:8]}"
+    bus = RedisAuthInvalidations(client, prefix=prefix)
+    settings = ServiceSettings(data_dir=tmp_path)  # the harness's database
+    with harness.db.sessions.begin() as db:
+        _, revoked = create_tenant_with_key(db, "two-keys")
+    _, survivor = create_key(settings, "two-keys")
+    try:
+        gateway = DatabaseAuthenticator(harness.db, cache_seconds=3600, failure_seconds=60, bus=bus)
+        assert all(asyncio.run(gateway.authenticate(k.key)) is not None for k in (revoked, survivor))
+        # What `carpool keys revoke PREFIX --redis-url ...` runs.
+        assert revoke_keys(settings, revoked.prefix, announce=redis_announcer(REDIS_URL, prefix)) == 1
+        deadline = time.monotonic() + 10  # bounds a hang only
+        while asyncio.run(gateway.authenticate(revoked.key)) is not None:
+            assert time.monotonic() < deadline, "the revoked key kept working from the cache"
+            time.sleep(0.01)
+        assert asyncio.run(gateway.authenticate(survivor.key)) is not None
     finally:
         bus.close()
         client.close()
