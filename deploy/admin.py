@@ -154,17 +154,15 @@ def revoke_keys(settings: ServiceSettings, prefix: str, *,
                 announce: Callable[[Invalidation], None] | None = None) -> int:
     """Revoke every live key whose display prefix is `prefix`; returns how many."""
     with admin_transaction(settings) as session:
-        revoked = session.execute(select(ApiKeyRow.tenant_id, ApiKeyRow.id).where(
-            ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))).all()
-        count = actions.revoke_keys_by_prefix(session, CLI_ACTOR, prefix)
-        if not count:
+        revoked = actions.revoke_keys_by_prefix(session, CLI_ACTOR, prefix)
+        if not revoked:
             raise AdminError(f"no live key starts with {prefix!r}: give the 12-character prefix of the "
                              "key (e.g. tml-AbCdEfGh)")
     # Key by key: a gateway refuses an invalidated entry from memory for a moment, so announcing the whole
     # tenant would also refuse its other, live keys (401) until that moment passed.
-    for owner, key_id in sorted(revoked) if announce is not None else ():
+    for owner, key_id in revoked if announce is not None else ():
         announce(Invalidation(owner, key_id))
-    return count
+    return len(revoked)
 
 
 def redis_announcer(redis_url: str | None, prefix: str) -> Callable[[Invalidation], None] | None:

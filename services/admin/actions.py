@@ -87,18 +87,19 @@ def revoke_key(session: Session, actor: Actor, tenant_id: TenantId, key_id: ApiK
     return True
 
 
-def revoke_keys_by_prefix(session: Session, actor: Actor, prefix: str) -> int:
-    """Revoke every live key with this display prefix, whoever owns it; returns how many."""
-    owners = session.scalars(
-        select(ApiKeyRow.tenant_id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
+def revoke_keys_by_prefix(session: Session, actor: Actor, prefix: str) -> list[tuple[str, int]]:
+    """Revoke every live key with this display prefix, whoever owns it; returns the revoked keys as
+    (tenant id, key id) pairs, so each can be announced to the gateways' auth caches."""
+    live = session.execute(
+        select(ApiKeyRow.tenant_id, ApiKeyRow.id).where(ApiKeyRow.prefix == prefix, ApiKeyRow.revoked_at.is_(None))
     ).all()
-    count = 0
-    for owner in sorted(set(owners)):
-        revoked = revoke_api_keys_by_prefix(session, TenantId(owner), prefix)
-        if revoked:
-            _audit(session, actor, "key.revoke", "api_key", prefix, owner, {"prefix": prefix, "count": revoked})
-        count += revoked
-    return count
+    revoked: list[tuple[str, int]] = []
+    for owner in sorted({tenant_id for tenant_id, _ in live}):
+        count = revoke_api_keys_by_prefix(session, TenantId(owner), prefix)
+        if count:
+            _audit(session, actor, "key.revoke", "api_key", prefix, owner, {"prefix": prefix, "count": count})
+            revoked += [(tenant_id, key_id) for tenant_id, key_id in live if tenant_id == owner]
+    return sorted(revoked)
 
 
 def record_hub_push_retry(session: Session, actor: Actor, push: HubPushRow) -> None:
