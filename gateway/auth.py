@@ -57,6 +57,11 @@ class Authenticator(Protocol):
         """Revoke the key `tenant` authenticated with (`tenant.api_key_id`); False if it was not live."""
         ...
 
+    async def announce(self, invalidation: Invalidation) -> None:
+        """A key was revoked or a tenant disabled elsewhere (the admin dashboard), already committed: stop
+        accepting it here at once and tell the other gateways, rather than serve it until caches expire."""
+        ...
+
 
 class InvalidationBus(Protocol):
     """Carries revocations between gateways (`services.auth.invalidation.RedisAuthInvalidations`)."""
@@ -174,11 +179,13 @@ class DatabaseAuthenticator:
         if tenant.api_key_id is None:
             return False
         revoked = await asyncio.to_thread(self._revoke, tenant)
-        invalidation = Invalidation(tenant.id, tenant.api_key_id)
+        await self.announce(Invalidation(tenant.id, tenant.api_key_id))
+        return revoked
+
+    async def announce(self, invalidation: Invalidation) -> None:
         self.invalidate(invalidation)
         if self._bus is not None:
             await asyncio.to_thread(self._bus.publish, invalidation)
-        return revoked
 
     def invalidate(self, invalidation: Invalidation) -> None:
         """Forget cached successes of a revoked key or disabled tenant (from this gateway or the bus); they

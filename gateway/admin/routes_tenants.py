@@ -1,7 +1,9 @@
 """Tenants, their quotas and API keys: the dashboard's write side, every change audited.
 
 Forms post back here with the session's CSRF token; a bad field re-renders the form with a 400 and the
-message next to that field (never a 500). New keys are shown once, on a page that is never cached.
+message next to that field (never a 500). New keys are shown once, on a page that is never cached. A key
+revoked or a tenant disabled here stops working at once on this gateway and, through the invalidation bus,
+on the others (`Authenticator.announce`), not when their caches expire.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gateway.admin.console import text_param as text_query
 from services.admin import actions, queries
 from services.admin.actions import Actor
 from services.admin.sessions import AdminSession
+from services.auth.invalidation import Invalidation
 from services.auth.tenants import IssuedKey
 from services.db.errors import ConflictError
 from services.db.ids import ApiKeyId, TenantId
@@ -181,7 +184,10 @@ async def set_status(request: Request, session: Admin, tenant_id: str) -> Respon
         actions.set_disabled(db, _actor(session), TenantId(row.id), action == "disable")
         return True
 
-    return await _after(request, session, tenant_id, await console_of(request).tx(work))
+    outcome = await console_of(request).tx(work)
+    if outcome is True and action == "disable":  # after the commit: a gateway that looks again sees it
+        await console_of(request).auth.announce(Invalidation(tenant_id))
+    return await _after(request, session, tenant_id, outcome)
 
 
 @router.post("/tenants/{tenant_id}/keys")
@@ -219,10 +225,12 @@ async def revoke_key(request: Request, session: Admin, tenant_id: str, key_id: s
     def work(db: Session) -> bool | None:
         if get_tenant(db, TenantId(tenant_id)) is None:
             return None
-        actions.revoke_key(db, _actor(session), TenantId(tenant_id), ApiKeyId(int(key_id)))
-        return True
+        return actions.revoke_key(db, _actor(session), TenantId(tenant_id), ApiKeyId(int(key_id)))
 
-    return await _after(request, session, tenant_id, await console_of(request).tx(work))
+    revoked = await console_of(request).tx(work)
+    if revoked:  # this key only: the tenant's other keys stay good (see `deploy.admin.revoke_keys`)
+        await console_of(request).auth.announce(Invalidation(tenant_id, int(key_id)))
+    return await _after(request, session, tenant_id, revoked if revoked is None else True)
 
 
 async def _after(request: Request, session: AdminSession, tenant_id: str,

@@ -24,6 +24,7 @@ from deploy.admin import open_admin_database
 from deploy.settings import ServiceSettings
 from services.admin.sessions import open_session
 from services.db.ids import ApiKeyId, TenantId
+from services.db.models import ApiKeyRow
 from services.db.tenants import get_tenant_by_name, list_api_keys
 from tests.e2e.admin_login import admin_client, form_token, login
 from tests.e2e.server import TINY_MODEL_NAME, Server
@@ -222,3 +223,38 @@ def test_checkpoints_are_listed_and_their_deletion_audited(server: Server, admin
     assert re.search(r'carpool_scheduler_lease_held\{base_model="[^"]+"\} 1.0', metrics)
     assert re.search(r'carpool_adapters_known\{base_model="[^"]+",replica="embedded"\} [1-9]', metrics)
     assert "carpool_tenant_" not in metrics  # per-tenant series are opt-in
+
+
+def test_a_key_revoked_or_a_tenant_disabled_in_the_dashboard_stops_working_at_once(
+        server: Server, admin: httpx.Client) -> None:
+    """Not after the gateways' auth caches expire (5 s): the dashboard announces the change as the CLI does,
+    and only what changed: the tenant's other key keeps working until the tenant is disabled."""
+    settings = ServiceSettings(data_dir=server.data_dir)
+    tenant, first = operator.create_tenant(settings, "revoked-at-once")
+    second = operator.create_key(settings, "revoked-at-once")[1]
+
+    def status(key: str) -> int:
+        return httpx.get(f"{server.url}/v1/usage", headers={"X-API-Key": key}, timeout=30).status_code
+
+    assert status(first.key) == status(second.key) == 200  # both cached as good now
+    key_id = next(k.id for k in _keys(server, "revoked-at-once") if k.prefix == first.prefix)
+    revoked = admin.post(f"/admin/tenants/{tenant.id}/keys/{key_id}/revoke", data={"csrf": csrf(admin)})
+    assert revoked.status_code == 303
+    assert status(first.key) == 401 and status(second.key) == 200
+
+    disabled = admin.post(f"/admin/tenants/{tenant.id}/status", data={"csrf": csrf(admin), "action": "disable"})
+    assert disabled.status_code == 303
+    assert status(second.key) == 401
+
+
+def _keys(server: Server, tenant_name: str) -> list[ApiKeyRow]:
+    db = open_admin_database(ServiceSettings(data_dir=server.data_dir))
+    try:
+        with db.sessions.begin() as session:
+            row = get_tenant_by_name(session, tenant_name)
+            assert row is not None
+            keys = list_api_keys(session, TenantId(row.id))
+            session.expunge_all()
+            return keys
+    finally:
+        db.dispose()

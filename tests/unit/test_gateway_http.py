@@ -24,6 +24,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from services.auth.invalidation import Invalidation
 from services.auth.tenants import Tenant
 from services.control.api import ControlError, ControlPlane, NotFound, QuotaExceeded, Unavailable
 from services.db.ids import TenantId
@@ -47,6 +48,9 @@ class StaticAuthenticator:
     async def revoke(self, tenant: Tenant) -> bool:
         self.revoked = True
         return True
+
+    async def announce(self, invalidation: Invalidation) -> None:
+        self.revoked = self.revoked or invalidation.tenant_id == TENANT.id
 
 
 CONTROL_OPERATIONS = frozenset(n for n in vars(ControlPlane) if not n.startswith("_"))
