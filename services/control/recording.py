@@ -158,14 +158,9 @@ class RunningMarker:
         self._thread: threading.Thread | None = None
 
     def schedule(self, item: InFlightItem) -> None:
-        """Mark `item`'s requests running once it is `delay_s` old. An item with the pass id of one still in
-        flight (a group of optimizer steps run back to back) joins it: one start time, one due time."""
         now = time.monotonic()
         item.due = now + self._delay_s
         with self._cond:
-            earlier = self._items.get(item.pass_id)
-            if earlier is not None:
-                item = InFlightItem(item.pass_id, earlier.requests + item.requests, earlier.started_at, earlier.due)
             self._items[item.pass_id] = item
             self._last_scheduled = now
             if self._thread is None:

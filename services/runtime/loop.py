@@ -11,8 +11,7 @@ crash in between redelivers work instead of losing it; an item whose bookkeeping
 unacknowledged until a retry writes it (`services.runtime.unrecorded`). Markers (`CONSUMED`) and duplicate
 deliveries produce no result of their own and are acked at once. Nothing that goes wrong in one iteration stops
 the loop: backend failures become error results (see `dispatch`), anything else is logged and the loop
-carries on. Consecutive optimizer steps of several models are recorded and announced as one group
-(`delivery_groups`).
+carries on.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
 from services.runtime.unrecorded import UnrecordedBacklog, UnrecordedItem
-from services.scheduler.requests import BarrierPlan, Completion, PlanItem, QueuedRequest, RequestId, RequestKind
+from services.scheduler.requests import Completion, PlanItem, QueuedRequest, RequestId, RequestKind
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -61,9 +60,6 @@ class LoopConfig:
     unrecorded_retry_s: float = 5.0
     """How soon an item whose bookkeeping failed is recorded again (doubling up to a minute while it fails;
     `services.runtime.unrecorded`)."""
-    max_step_group: int = 16
-    """Consecutive `optim_step` barriers of a plan (several models' steps) run back to back and are
-    recorded and announced together, up to this many: one transaction instead of one each. 1: each alone."""
 
 
 class SchedulerLoop:
@@ -162,8 +158,8 @@ class SchedulerLoop:
         plan = self._scheduler.step()
         self._hold_until = None if plan.hold_s is None else time.monotonic() + plan.hold_s
         self._deliver(list(plan.rejected), None)
-        for group in delivery_groups(plan.items, self._config.max_step_group):
-            self._execute(group)
+        for item in plan.items:
+            self._execute(item)
         self._counters.record_scheduler(self._scheduler.stats(), self._queue.depth(self.base_model))
         return len(plan.items) + len(plan.rejected)
 
@@ -199,19 +195,11 @@ class SchedulerLoop:
             return
         self._deliveries.setdefault(admission.request_id, []).append(delivery.delivery_id)
 
-    def _execute(self, items: Sequence[PlanItem]) -> None:
-        """Run plan items delivered together (`delivery_groups`) under the first one's pass id: each is started
-        and run in turn, then all their completions are recorded and announced at once."""
-        pass_id = f"{self._pass_prefix}-{items[0].item_id}"
-        completions: list[Completion] = []
-        try:
-            for item in items:
-                # Item by item: a hook may tie what starts to the backend calls that follow (the replica
-                # pool's request ids, which make a call repeated after a fail-over idempotent).
-                self._notify_started(item.requests, pass_id)
-                completions += self._scheduler.complete(item, self._dispatcher.run(item))
-        finally:  # fenced part-way: what already ran is still delivered, as it was before the fence
-            self._deliver(completions, pass_id)
+    def _execute(self, item: PlanItem) -> None:
+        pass_id = f"{self._pass_prefix}-{item.item_id}"
+        self._notify_started(item.requests, pass_id)
+        results = self._dispatcher.run(item)
+        self._deliver(self._scheduler.complete(item, results), pass_id)
 
     def _notify_started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         self._counters.record_started(requests)
@@ -293,29 +281,6 @@ class SchedulerLoop:
         for completion in completions:
             self._results.put(completion.request_id, StoredResult.from_completion(completion),
                               self._config.result_ttl_s)
-
-
-def delivery_groups(items: Sequence[PlanItem], max_steps: int) -> list[list[PlanItem]]:
-    """`items` in order, cut into the groups a loop runs and then records and announces together.
-
-    A run of consecutive `optim_step` barriers (eight tenants' steps after their shared pass) forms one group
-    of at most `max_steps`; every other item is a group of its own. Why only these: an optimizer step is
-    prepared and left pending (`worker/engine/deferred_steps.py`), so the first model's result waits for
-    the others' sub-millisecond barriers only, while the bookkeeping, one transaction with an executemany,
-    is paid once instead of once per model. A save, load or create may take seconds: it stays alone, so it
-    never holds back anyone else's result."""
-    groups: list[list[PlanItem]] = []
-    for item in items:
-        last = groups[-1] if groups else None
-        if last is not None and _is_step(item) and _is_step(last[0]) and len(last) < max_steps:
-            last.append(item)
-        else:
-            groups.append([item])
-    return groups
-
-
-def _is_step(item: PlanItem) -> bool:
-    return isinstance(item, BarrierPlan) and item.request.kind is RequestKind.OPTIM_STEP
 
 
 def _same(a: Sequence[Completion], b: Sequence[Completion]) -> bool:

@@ -34,9 +34,7 @@ class CompletionHook(Protocol):
     """Observes a loop's work. Called on the loop thread; must not block for long."""
 
     def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
-        """`requests` (one plan item's) are about to run. Called once per item, right before its backend
-        calls; the items of a group the loop delivers together (`loop.delivery_groups`) share `pass_id`,
-        and their completions come in one `finished` call."""
+        """`requests` are about to run in the plan item `pass_id`."""
         ...
 
     def finished(self, completions: Sequence[Completion], pass_id: str | None,

@@ -86,20 +86,3 @@ def test_without_a_delay_running_is_written_at_the_start(database: Database) -> 
     assert _row(database, request).status == "running"
     hook.finished([Completion(request, _result())], "pass-3", _no_store)
     assert _row(database, request).status == "done"
-
-
-def test_items_started_under_one_pass_id_are_all_marked_running_and_finished_together(database: Database) -> None:
-    """A loop runs consecutive optimizer steps as one group: each item starts under the group's pass id, and
-    the marker must keep every item's requests (it kept only the last one's), with the first one's start."""
-    first, second = _queued(database, range(1, 3))
-    hook = DatabaseCompletionHook(database, running_after_s=0.2)  # both start before either is due
-    hook.started([first], "pass-4")
-    hook.started([second], "pass-4")
-    deadline = time.monotonic() + 10
-    while {_row(database, r).status for r in (first, second)} != {"running"}:
-        assert time.monotonic() < deadline, "a request of the group was never marked running"
-        time.sleep(0.01)
-    hook.finished([Completion(first, _result()), Completion(second, _result())], "pass-4", _no_store)
-    rows = [_row(database, r) for r in (first, second)]
-    assert all(row.status == "done" and row.pass_id == "pass-4" for row in rows)
-    assert rows[0].started_at == rows[1].started_at is not None  # the group's start

@@ -27,10 +27,10 @@ from services.domain.training import (
 )
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
 from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
-from services.runtime.loop import TenantActivity, delivery_groups
+from services.runtime.loop import TenantActivity
 from services.runtime.reporting import CompletionHook, StoreResults
 from services.scheduler import QueuedRequest, RequestId, RequestKind
-from services.scheduler.requests import BarrierPlan, Completion, ModelId, PassPlan, PlanItemId, TenantId
+from services.scheduler.requests import Completion, ModelId, TenantId
 
 BASE = "fake"
 
@@ -334,63 +334,3 @@ def test_tenant_activity_counts_tenants_within_the_lookback() -> None:
     assert activity.note([], now=11.6) == 1  # a was last seen at 10.5
     assert activity.note(["c", "c"], now=13.0) == 1  # b expired too; c counts once
 
-
-
-class CountingHook(FlakyHook):
-    """Records each `finished` call's requests and pass id; notes each `started` in the backend's call log."""
-
-    def __init__(self, calls: list[tuple[str, object]]) -> None:
-        super().__init__()
-        self.pass_ids: list[str | None] = []
-        self.started_ids: list[str] = []
-        self._calls = calls
-
-    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
-        self._calls.append(("started", [r.request_id for r in requests]))
-        self.started_ids.append(pass_id)
-
-    def finished(self, completions: Sequence[Completion], pass_id: str | None,
-                 store: StoreResults) -> list[Completion]:
-        self.pass_ids.append(pass_id)
-        return super().finished(completions, pass_id, store)
-
-
-@pytest.mark.parametrize("max_step_group", [16, 3, 1])
-def test_consecutive_optimizer_steps_of_several_models_are_recorded_together(max_step_group: int) -> None:
-    rig = Rig()
-    hook = CountingHook(rig.backend.calls)
-    rig.loop = SchedulerLoop(BASE, rig.backend, rig.queue, rig.results, rig.notifier, hook=hook,
-                             config=LoopConfig(poll_s=0.02, batch_window_s=0.0, max_step_group=max_step_group))
-    models = [f"m{i}" for i in range(5)]
-    creates = [rig.put(m, RequestKind.CREATE, 0, CreateAdapter(ModelId(m), AdapterId(m), LoraSpec(rank=2)),
-                       tenant=f"t{i}") for i, m in enumerate(models)]
-    rig.loop.run_once()
-    assert hook.recorded == [[rid] for rid in creates]  # creates may be slow: each is recorded alone
-    hook.recorded.clear()
-    steps = [rig.put(m, RequestKind.OPTIM_STEP, 1, OptimStep(AdapterId(m), AdamParams()), tenant=f"t{i}")
-             for i, m in enumerate(models)]
-    rig.loop.run_once()
-
-    expected = [steps[i:i + max_step_group] for i in range(0, len(steps), max_step_group)]
-    assert hook.recorded == expected
-    group_ids = hook.pass_ids[-len(expected):]
-    assert len(set(group_ids)) == len(expected)  # a pass id per group, which its items start under
-    assert hook.started_ids[-len(steps):] == [group_ids[i // max_step_group] for i in range(len(steps))]
-    # Each item is started right before its own backend call (the replica pool keys its calls on that).
-    assert rig.backend.calls[-2 * len(steps):] == [
-        call for rid, m in zip(steps, models, strict=True) for call in (("started", [rid]), ("optim", AdapterId(m)))]
-    assert all(isinstance(rig.result(rid), OptimStepDone) for rid in steps)
-    assert rig.loop.stats().barriers == 10 and rig.queue.unacked(BASE) == 0
-
-
-def test_delivery_groups_join_only_runs_of_optimizer_steps() -> None:
-    def barrier(item_id: int, kind: RequestKind) -> BarrierPlan:
-        request = QueuedRequest(RequestId(f"r{item_id}"), TenantId("t"), ModelId(f"m{item_id}"), kind, 1, 0, 0.0)
-        return BarrierPlan(PlanItemId(item_id), request)
-
-    step, save = RequestKind.OPTIM_STEP, RequestKind.SAVE
-    items = [barrier(1, step), barrier(2, step), barrier(3, save), barrier(4, step),
-             PassPlan(PlanItemId(5), ()), barrier(6, step), barrier(7, step), barrier(8, step)]
-    groups = [[item.item_id for item in group] for group in delivery_groups(items, max_steps=2)]
-    assert groups == [[1, 2], [3], [4], [5], [6, 7], [8]]
-    assert delivery_groups([], max_steps=2) == []
