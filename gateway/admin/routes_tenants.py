@@ -230,7 +230,7 @@ async def revoke_key(request: Request, session: Admin, tenant_id: str, key_id: s
     revoked = await console_of(request).tx(work)
     if revoked:  # this key only: the tenant's other keys stay good (see `deploy.admin.revoke_keys`)
         await console_of(request).auth.announce(Invalidation(tenant_id, int(key_id)))
-    return await _after(request, session, tenant_id, revoked if revoked is None else True)
+    return await _after(request, session, tenant_id, revoked)
 
 
 async def _after(request: Request, session: AdminSession, tenant_id: str,
