@@ -18,17 +18,15 @@ checkpoints in the cookbook's `checkpoints.jsonl`, as a run restarted after a cr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -66,19 +64,6 @@ def _has_cookbook(python: Path) -> bool:
     probe = "import tinker_cookbook.rl.train, tinker_cookbook.supervised.train, torch; print(torch.__version__)"
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300)
     return out.returncode == 0
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from worker.models.sources import default_cache_dir
-
-    env = {"CARPOOL_CACHE_DIR": os.environ.get("CARPOOL_CACHE_DIR", str(default_cache_dir()))}
-    srv = start_server(tmp_path_factory.mktemp("carpool-cookbook"), extra_env=env,
-                       base_model_spec=f"{SMOLLM2}=smollm2-135m", timeout_s=600)
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @dataclass

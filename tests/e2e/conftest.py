@@ -1,4 +1,8 @@
-"""Fixtures for the end-to-end suites: one server subprocess per module (and mode), real SDK clients.
+"""Fixtures for the end-to-end suites: server subprocesses shared between modules, real SDK clients.
+
+Servers. `server` (the tiny model) and `smollm2_server` are shared by every module that uses them, one per
+mode (tests/e2e/shared.py): such modules create their own tenants and must not assume a fresh server.
+A module that needs its own settings or a fresh server defines its own `server` fixture.
 
 Modes. Every module runs against `carpool serve` (embedded). Modules named in
 `CARPOOL_E2E_CLUSTER_MODULES` (default: smoke, SDK training, security, bad input, checkpoints,
@@ -20,6 +24,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.server import MODES, TINY_MODEL_NAME, Server, set_default_mode, start_server
+from tests.e2e.shared import ORDER, SHARED, SMOLLM2, TINY, Group, group_of, is_ordered
+
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 MODES_ENV = "CARPOOL_E2E_MODES"
 CLUSTER_MODULES_ENV = "CARPOOL_E2E_CLUSTER_MODULES"
@@ -63,31 +70,36 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """E2e tests run in file order within their module and mode (pytest-randomly shuffles the rest).
+    """E2e and compat tests run as one block, in file order within their module and mode (pytest-randomly
+    shuffles the rest and the order of the modules).
 
     A module shares one server (a model that trains on, checkpoints that pile up); its tests are scenarios
-    read top to bottom, and a shuffle of them would test the shuffle. Runs after pytest's own grouping of
-    module-scoped parameters, so each (module, mode) keeps its one server start.
+    read top to bottom, and a shuffle of them would test the shuffle. The block puts the modules that share a
+    server (tests/e2e/shared.py) next to each other, so each shared server starts once per mode. Runs after
+    pytest's own grouping of module-scoped parameters, so each (module, mode) keeps its one server start.
     """
-    first_seen: dict[tuple[str, str], int] = {}
-    for index, item in enumerate(items):
-        if _is_e2e(item):
-            first_seen.setdefault(_module_and_mode(item), index)
-    positions = [i for i, item in enumerate(items) if _is_e2e(item)]
-    ordered = sorted((items[i] for i in positions),
-                     key=lambda item: (first_seen[_module_and_mode(item)], item.reportinfo()[1] or 0, item.nodeid))
-    for position, item in zip(positions, ordered, strict=True):
-        items[position] = item
+    block = [item for item in items if is_ordered(item)]
+    if not block:
+        return
+    ORDER.record(block)
+    first_seen: dict[Group, int] = {}
+    for index, item in enumerate(block):
+        first_seen.setdefault(group_of(item), index)
+    block.sort(key=lambda item: (ORDER.sort_key(group_of(item)), first_seen[group_of(item)],
+                                 item.reportinfo()[1] or 0, item.nodeid))
+    start = next(i for i, item in enumerate(items) if is_ordered(item))
+    rest = [item for item in items if not is_ordered(item)]
+    items[:] = rest[:start] + block + rest[start:]
 
 
-def _is_e2e(item: pytest.Item) -> bool:
-    return Path(str(item.path)).parent == Path(__file__).parent
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop a shared server as soon as the next test's module no longer needs it."""
+    SHARED.keep_only(ORDER.needed_after(nextitem))
 
 
-def _module_and_mode(item: pytest.Item) -> tuple[str, str]:
-    callspec = getattr(item, "callspec", None)
-    mode = callspec.params.get("e2e_mode", "embedded") if callspec is not None else "embedded"
-    return str(item.path), str(mode)
+def pytest_sessionfinish() -> None:
+    SHARED.keep_only(())
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,12 +126,23 @@ def e2e_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp(f"carpool-data-{e2e_mode}"), e2e_model_dir, mode=e2e_mode)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(tmp_path_factory: pytest.TempPathFactory, e2e_model_dir: Path, e2e_mode: str) -> Server:
+    """The tiny model's server of this mode, shared by every module that uses this fixture (shared.py):
+    such a module creates its own tenants and must not assume a fresh server."""
+    return SHARED.get((TINY, e2e_mode), lambda: start_server(
+        tmp_path_factory.mktemp(f"carpool-shared-{e2e_mode}"), e2e_model_dir, mode=e2e_mode))
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory, e2e_mode: str) -> Server:
+    """A `carpool serve` of SmolLM2-135M-Instruct, shared like `server` (slow tests: embedded only)."""
+    from worker.models.sources import default_cache_dir
+
+    # The converted GGUF is cached outside the data dir, so only the first run ever converts it.
+    env = {"CARPOOL_CACHE_DIR": os.environ.get("CARPOOL_CACHE_DIR", str(default_cache_dir()))}
+    return SHARED.get((SMOLLM2, e2e_mode), lambda: start_server(
+        tmp_path_factory.mktemp(f"carpool-smollm2-{e2e_mode}"), extra_env=env,
+        base_model_spec=f"{SMOLLM2_NAME}=smollm2-135m", timeout_s=600, mode=e2e_mode))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import tinker
 import torch
 from tinker import types
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 from tests.reference.peft_reference import reference_loss
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,21 +225,6 @@ def test_rl_losses_differ_from_each_other(service: tinker.ServiceClient, base_mo
 
 
 # -- the SFT example against SmolLM2 (slow) -------------------------------------------------------------
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from worker.models.sources import default_cache_dir
-
-    # The converted GGUF is cached outside the data dir, so only the first run ever converts it.
-    env = {"CARPOOL_CACHE_DIR": os.environ.get("CARPOOL_CACHE_DIR", str(default_cache_dir()))}
-    srv = start_server(tmp_path_factory.mktemp("carpool-smollm2"), extra_env=env,
-                       base_model_spec=f"{SMOLLM2}=smollm2-135m", timeout_s=600)
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.slow
