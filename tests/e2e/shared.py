@@ -41,9 +41,15 @@ class SharedServers:
         self._live: dict[Key, Server] = {}
 
     def get(self, key: Key, start: Callable[[], Server]) -> Server:
-        if key not in self._live:
-            self._live[key] = start()
-        return self._live[key]
+        """The live server of `key`, started now if there is none or if the last one exited (a crash fails
+        the tests that saw it, not every module after them)."""
+        live = self._live.get(key)
+        if live is not None and live.process.poll() is not None:
+            self.keep_only(k for k in self._live if k != key)
+            live = None
+        if live is None:
+            live = self._live[key] = start()
+        return live
 
     def keep_only(self, keys: Iterable[Key]) -> None:
         """Stop every live server whose key is not in `keys`."""
