@@ -73,7 +73,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """E2e and compat tests run as one block, in file order within their module and mode (pytest-randomly
     shuffles the rest and the order of the modules).
 
-    A module shares one server (a model that trains on, checkpoints that pile up); its tests are scenarios
+    A module's tests share a server (a model that trains on, checkpoints that pile up); they are scenarios
     read top to bottom, and a shuffle of them would test the shuffle. The block puts the modules that share a
     server (tests/e2e/shared.py) next to each other, so each shared server starts once per mode. Runs after
     pytest's own grouping of module-scoped parameters, so each (module, mode) keeps its one server start.
