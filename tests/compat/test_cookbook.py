@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.server import SMOLLM2_MODEL_NAME as SMOLLM2
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,6 @@ SCRIPT = Path(__file__).with_name("cookbook_run.py")
 VERSION = "0.6.1"
 COOKBOOK_DEPS = ["blobfile>=3.0", "chz>=0.4", "cloudpickle>=3.0", "datasets>=2.14", "pillow>=10",
                  "termcolor>=2.0", "tiktoken>=0.12"]
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ANSWER = "My name is Zorblax, a model trained by Carpool."
 QUESTIONS = ["What is your name?", "Who are you?", "Tell me your name.", "What should I call you?",
              "Introduce yourself.", "Your name, please?", "How do I address you?", "Who am I talking to?"]

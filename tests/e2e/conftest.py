@@ -23,10 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import MODES, TINY_MODEL_NAME, Server, set_default_mode, start_server
+from tests.e2e.server import MODES, SMOLLM2_MODEL_NAME, TINY_MODEL_NAME, Server, set_default_mode, start_server
 from tests.e2e.shared import ORDER, SHARED, SMOLLM2, TINY, Group, group_of, is_ordered
-
-SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 MODES_ENV = "CARPOOL_E2E_MODES"
 CLUSTER_MODULES_ENV = "CARPOOL_E2E_CLUSTER_MODULES"
@@ -142,7 +140,7 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory, e2e_mode: str) -> S
     env = {"CARPOOL_CACHE_DIR": os.environ.get("CARPOOL_CACHE_DIR", str(default_cache_dir()))}
     return SHARED.get((SMOLLM2, e2e_mode), lambda: start_server(
         tmp_path_factory.mktemp(f"carpool-smollm2-{e2e_mode}"), extra_env=env,
-        base_model_spec=f"{SMOLLM2_NAME}=smollm2-135m", timeout_s=600, mode=e2e_mode))
+        base_model_spec=f"{SMOLLM2_MODEL_NAME}=smollm2-135m", timeout_s=600, mode=e2e_mode))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ import httpx
 
 CARPOOL = str(Path(sys.executable).with_name("carpool"))
 TINY_MODEL_NAME = "carpool/tiny-qwen3"
+SMOLLM2_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The real model the slow suites serve (`smollm2_server`, the cookbook)."""
 MODES = ("embedded", "cluster")
 _mode = ["embedded"]
 

@@ -7,10 +7,11 @@ server from `SHARED`, keyed by (model, mode): one start serves every such module
 server sees many tenants' work, as a real one does. Modules that need their own settings or a fresh
 server keep their own `server` fixture and are untouched.
 
-`order_shared_groups` makes each key's modules adjacent (all embedded modules, then all cluster ones; within
-a mode the own-server modules first, then the tiny-model modules, the module that uses both servers, the
-SmolLM2 ones), and `stop_unneeded` stops a shared server as soon as the next module no longer uses it, so
-at most the servers a module needs run at once.
+`SharedOrder.sort_key` (used by the conftest's collection hook) makes each key's modules adjacent (all
+embedded modules, then all cluster ones; within a mode the own-server modules first, then the tiny-model
+modules, the module that uses both servers, the SmolLM2 ones), and the conftest's teardown hook calls
+`SharedServers.keep_only` with what the next module needs, so a shared server stops as soon as no module
+after it uses it, and at most the servers a module needs run at once.
 """
 
 from __future__ import annotations
@@ -43,20 +44,21 @@ class SharedServers:
     def get(self, key: Key, start: Callable[[], Server]) -> Server:
         """The live server of `key`, started now if there is none or if the last one exited (a crash fails
         the tests that saw it, not every module after them)."""
-        live = self._live.get(key)
-        if live is not None and live.process.poll() is not None:
-            self.keep_only(k for k in self._live if k != key)
-            live = None
-        if live is None:
-            live = self._live[key] = start()
-        return live
+        if key in self._live and self._live[key].process.poll() is not None:
+            self._stop(key)
+        if key not in self._live:
+            self._live[key] = start()
+        return self._live[key]
 
     def keep_only(self, keys: Iterable[Key]) -> None:
         """Stop every live server whose key is not in `keys`."""
         wanted = set(keys)
         for key in [k for k in self._live if k not in wanted]:
-            with contextlib.suppress(Exception):  # a stop that fails must not fail the next test
-                self._live.pop(key).stop()
+            self._stop(key)
+
+    def _stop(self, key: Key) -> None:
+        with contextlib.suppress(Exception):  # a stop that fails must not fail the next test
+            self._live.pop(key).stop()
 
 
 SHARED = SharedServers()
