@@ -79,3 +79,26 @@ def test_a_batch_gathers_bank_rows_once_per_set_of_rows(engine: Engine, monkeypa
     # Rows leave at steps 4, 7 and 10: the prefill and three sets of rows, each gathered once per stack.
     steps = max(w.params.max_tokens for w in _works())
     assert 0 < len(gathers) <= 4 * len(bank_stacks) < steps * len(bank_stacks)
+
+
+def test_decode_steps_work_out_each_layers_route_once_per_set_of_rows(engine: Engine,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's decode steps share one pass plan while no row leaves: each layer works out its segments,
+    layout and stacked factors once per plan (the prefill's, then one per set of rows), not once per step."""
+    from worker.engine import lora
+
+    routed: list[str] = []
+    original = lora._route
+
+    def counting(plan: object, layer: str, *args: object) -> object:
+        routed.append(layer)
+        return original(plan, layer, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora, "_route", counting)
+    results = engine.sample(_works())
+    layers = len(set(routed))
+    lengths = {len(seq.tokens) for result in results if isinstance(result, SampleResult) for seq in result.sequences}
+    plans = 1 + len(lengths)  # the prefill's, then one per set of rows (a set ends when some rows stop)
+    steps = max(w.params.max_tokens for w in _works())
+    assert len(lengths) == 3 and layers > 0
+    assert len(routed) == plans * layers < steps * layers

@@ -63,18 +63,17 @@ class MultiLoraLinear(nn.Module):
         plan = self._ctx.current
         if plan is None:
             return y
-        entries = [(seg, w) for seg in plan.segments if (w := _weights(seg, self.layer_name)) is not None]
-        if not entries:
-            return y
         x2 = x.reshape(-1, x.shape[-1])
-        strategy = self._ctx.lora_strategy
-        layout = None
-        if strategy == "grouped" or (strategy == "auto" and len(entries) > 1):
-            layout = _layout(plan, entries, x2.shape[0], x2.device, strategy)
-        if layout is not None and layout.grouped:
-            delta = _grouped(x2, entries, layout, self.out_features)
+        route = plan.routes.get(self.layer_name)
+        if route is None:
+            route = plan.routes[self.layer_name] = _route(plan, self.layer_name, x2, self._ctx.lora_strategy)
+        assert isinstance(route, _Route)
+        if not route.entries:
+            return y
+        if route.layout is not None and route.layout.grouped:
+            delta = _grouped(x2, route, self.out_features)
         else:
-            delta = self._looped(x2, entries, plan)
+            delta = self._looped(x2, route.entries, plan)
         return y + delta.to(y.dtype).reshape(y.shape)
 
     def _looped(self, x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: PassPlan) -> torch.Tensor:
@@ -129,26 +128,50 @@ class LoraDelta(torch.autograd.Function):
         return grad_x, None, None, grad_a, grad_b
 
 
-def _grouped(x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], layout: _Layout,
-             out_features: int) -> torch.Tensor:
+class _Route:
+    """One layer's share of a pass plan (`PassPlan.routes`): the segments it serves with their factors, the
+    grouped layout when one applies, and (inference only) those factors stacked."""
+
+    def __init__(self, entries: list[tuple[Segment, LoraWeights]], layout: _Layout | None) -> None:
+        self.entries = entries
+        self.weights = [w for _, w in entries]
+        self.layout = layout
+        self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Without grad, the factors stacked and transposed for the two batched GEMMs (A as (S, in, R), B as
+        (S, R, out)), kept for the plan's later calls: the decode steps of a sample batch (one plan while no
+        row leaves) find them here instead of slicing the banks again in every layer and step."""
+
+
+def _route(plan: PassPlan, layer: str, x2: torch.Tensor, strategy: str) -> _Route:
+    entries = [(seg, w) for seg in plan.segments if (w := _weights(seg, layer)) is not None]
+    layout = None
+    if entries and (strategy == "grouped" or (strategy == "auto" and len(entries) > 1)):
+        layout = _layout(plan, entries, x2.shape[0], x2.device, strategy)
+    return _Route(entries, layout)
+
+
+def _grouped(x: torch.Tensor, route: _Route, out_features: int) -> torch.Tensor:
     """All segments' deltas with two batched GEMMs over padded segments and zero-padded ranks."""
-    dtype = entries[0][1].A.dtype
+    layout, weights = route.layout, route.weights
+    assert layout is not None
+    dtype = weights[0].A.dtype
     if layout.uniform:
         # Equal segments covering every token: a view, no gather and no scatter.
-        x_S_L_in = x.to(dtype).view(len(entries), -1, x.shape[1])
+        x_S_L_in = x.to(dtype).view(len(weights), -1, x.shape[1])
     else:
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
         x_S_L_in = x_ext[layout.gather]
-    weights = [w for _, w in entries]
-    stacks = _bank_stacks(weights, layout)
     if not torch.is_grad_enabled():
         # Inference (sampling): no graph to build, so no autograd node either; its `apply` machinery was as
         # costly as the two GEMMs themselves on a decode step of a few rows per adapter.
-        stacks = stacks or (_stack([w.A for w in weights], layout.rank, dim=0),
-                            _stack([w.B for w in weights], layout.rank, dim=1))
-        out_S_L_out = _grouped_product(x_S_L_in, *stacks, layout.scale)[1]
+        if route.stacks is None:
+            a_S_R_in, b_S_out_R = _bank_stacks(weights, layout) or (
+                _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
+            route.stacks = a_S_R_in.transpose(1, 2), b_S_out_R.transpose(1, 2)
+        a_S_in_R, b_S_R_out = route.stacks
+        out_S_L_out = torch.bmm(torch.bmm(x_S_L_in, a_S_in_R).mul_(layout.scale), b_S_R_out)
     else:
-        out_S_L_out = _grouped_with_graph(x_S_L_in, layout, stacks, weights)
+        out_S_L_out = _grouped_with_graph(x_S_L_in, layout, _bank_stacks(weights, layout), weights)
     if layout.uniform:
         return out_S_L_out.reshape(-1, out_features)
     picked = out_S_L_out.reshape(-1, out_features)[layout.valid]

@@ -87,6 +87,11 @@ class PassPlan:
     """Factors gathered from bank rows, reusable by every model call that shares this dict: only calls
     between which no weight can change (the decode steps of one sample batch) may share one. None: each
     call gathers its own."""
+    routes: dict[str, object] = field(default_factory=dict)
+    """Per layer, what its `MultiLoraLinear` works out from the segments (the segments' factors, the layout
+    and, without grad, the factors stacked): worked out on the layer's first call with this plan. A plan is
+    made for one model call, except that the decode steps of a sample batch share one while no row leaves
+    the batch (worker/engine/sampler.py): neither the segments nor any weight change between them."""
 
 
 @dataclass

@@ -177,6 +177,9 @@ class _Decoding:
     gathered: dict[tuple[object, ...], object] = field(default_factory=dict)
     """The adapters' factors gathered from their bank rows once for every decode step (`PassPlan.gathered`):
     no weight changes while a batch decodes (the engine's lock is held, its adapters pinned)."""
+    plan: PassPlan | None = None
+    """The decode steps' pass plan, shared by every step until a row leaves: its layers' routes (segments,
+    layouts, stacked factors; `PassPlan.routes`) are then worked out once per layer, not once per step."""
 
     def keep(self, indices: list[int], next_R: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows everywhere (cache included); returns the kept rows' next tokens."""
@@ -184,7 +187,14 @@ class _Decoding:
         self.cache.batch_select_indices(keep_K)
         self.mask_R_S, self.pos_R = self.mask_R_S[keep_K], self.pos_R[keep_K]
         self.rows, self.weights = [self.rows[i] for i in indices], [self.weights[i] for i in indices]
+        self.plan = None  # other rows, other segments
         return next_R[keep_K]
+
+    def step_plan(self) -> PassPlan:
+        """The plan of the next decode step (one token per row)."""
+        if self.plan is None:
+            self.plan = _plan(self.weights, 1, self.gathered)
+        return self.plan
 
 
 def _generate(lm: LoadedModel, jobs: list[_Job], tokenizer: TokenDecoder | None) -> None:
@@ -200,7 +210,7 @@ def _generate(lm: LoadedModel, jobs: list[_Job], tokenizer: TokenDecoder | None)
         batch.mask_R_S = torch.cat([batch.mask_R_S, batch.mask_R_S.new_ones(len(keep), 1)], dim=1)
         batch.pos_R = batch.pos_R + 1
         logits_R_V = _forward(lm, next_R[:, None], batch.mask_R_S, batch.pos_R[:, None], batch.cache,
-                              batch.weights, batch.gathered)[:, -1]
+                              batch.step_plan())[:, -1]
 
 
 def _prefill(lm: LoadedModel, jobs: list[_Job]) -> tuple[_Decoding, torch.Tensor]:
@@ -208,7 +218,8 @@ def _prefill(lm: LoadedModel, jobs: list[_Job]) -> tuple[_Decoding, torch.Tensor
     ids_W_T, mask_W_T = _left_pad([job.work.prompt.tolist() for job in jobs], lm.device)
     pos_W_T = (mask_W_T.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=lm.model.config)
-    logits_W_T_V = _forward(lm, ids_W_T, mask_W_T, pos_W_T, cache, [job.weights for job in jobs])
+    logits_W_T_V = _forward(lm, ids_W_T, mask_W_T, pos_W_T, cache,
+                            _plan([job.weights for job in jobs], ids_W_T.shape[1]))
     for w, job in enumerate(jobs):
         _prompt_logprobs(job, logits_W_T_V[w])
     row_job = [w for w, job in enumerate(jobs) for _ in job.rows]
@@ -231,11 +242,15 @@ def _left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Ten
     return ids.to(device), mask.to(device)
 
 
+def _plan(row_weights: list[LayerWeights], row_len: int,
+          gathered: dict[tuple[object, ...], object] | None = None) -> PassPlan:
+    """A plan serving each row of (rows, row_len) token ids with its own adapter."""
+    return PassPlan(segments=segments_for_rows(row_weights, row_len), gathered=gathered)
+
+
 def _forward(lm: LoadedModel, ids_R_T: torch.Tensor, mask_R_S: torch.Tensor, pos_R_T: torch.Tensor,
-             cache: DynamicCache, row_weights: list[LayerWeights],
-             gathered: dict[tuple[object, ...], object] | None = None) -> torch.Tensor:
-    """One cached model call with each row served by its own adapter; fp32 logits (R, T, V)."""
-    plan = PassPlan(segments=segments_for_rows(row_weights, ids_R_T.shape[1]), gathered=gathered)
+             cache: DynamicCache, plan: PassPlan) -> torch.Tensor:
+    """One cached model call with each row served by its own adapter (`plan`); fp32 logits (R, T, V)."""
     with lm.ctx.plan(plan):
         out = lm.model(input_ids=ids_R_T, attention_mask=mask_R_S, position_ids=pos_R_T, use_cache=True,
                        **{_cache_kwarg(lm.model): cache})
