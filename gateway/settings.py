@@ -124,6 +124,12 @@ class GatewaySettings(BaseSettings):
     metrics_enabled: bool = Field(
         default=True, description="Serve per-route request counters and latency histograms at `/metrics`."
     )
+    otel_telemetry: bool = Field(
+        default=False,
+        description="Let FastAPI's native OpenTelemetry instrumentation (FastAPI >= 0.165) emit spans, metrics and "
+        "logs when an OpenTelemetry provider is configured in the process. Off by default: Carpool's metrics are "
+        "Prometheus (`/metrics`), and with it on FastAPI checks the global providers on every request.",
+    )
     admin_enabled: bool = Field(
         default=True, description="Serve the operators' web dashboard at `/admin` (log in with an admin API key)."
     )

@@ -219,16 +219,17 @@ def _facts_statement(count_unfinished: bool) -> Select[Any]:
 _FACTS, _FACTS_COUNTED = _facts_statement(False), _facts_statement(True)
 
 
-def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> RequestRow | None:
-    """The first sample request of a sampling session with this seq_id (retries map onto it)."""
-    stmt = (
-        select(RequestRow)
-        .where(RequestRow.sampling_session_id == sampling_id, RequestRow.seq_id == seq_id,
-               RequestRow.model_id.is_(None))
-        .order_by(RequestRow.created_at, RequestRow.id)
-        .limit(1)
-    )
-    return db.scalars(stmt).first()
+def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> tuple[RequestId, str] | None:
+    """(id, status) of the first sample request of a sampling session with this seq_id (retries map onto it)."""
+    row = core(db).execute(_SAMPLE_FOR_SEQ, {"sampling_id": sampling_id, "seq_id": seq_id}).first()
+    return None if row is None else (RequestId(row[0]), row[1])
+
+
+_SAMPLE_FOR_SEQ = (select(RequestRow.id, RequestRow.status)
+                   .where(RequestRow.sampling_session_id == bindparam("sampling_id"),
+                          RequestRow.seq_id == bindparam("seq_id"), RequestRow.model_id.is_(None))
+                   .order_by(RequestRow.created_at, RequestRow.id).limit(1))
+"""Built once: every sample submission with a seq id looks it up (a Core statement on the session's connection)."""
 
 
 def ephemeral_save_for(db: Session, sampling_id: SamplingSessionId) -> RequestRow | None:

@@ -171,7 +171,8 @@ class SamplingOps:
         if seq_id is not None:
             existing = sample_request_for_seq(db, sampler_id, seq_id)
             if existing is not None:
-                return RequestId(existing.id), False, existing.status == "queued"
+                existing_id, status = existing
+                return existing_id, False, status == "queued"
         # Quotas only for new requests; a 429 rolls back, so the SDK's retry (same seq_id) starts afresh.
         self._ctx.quotas.check_concurrency(db, tenant)
         row = record_request(db, TenantId(tenant.id), "sample", sampling_session_id=sampler_id, seq_id=seq_id,

@@ -10,6 +10,7 @@ control-plane behaviour. End-to-end behaviour against the real control plane liv
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -428,6 +430,28 @@ def test_settings_reject_unsafe_values() -> None:
     assert not settings.sdk_version_is_old(None) and not settings.sdk_version_is_old("dev")
     # Unicode digits that are not ASCII: unknown versions, not a ValueError (a 500 on POST /v1/sessions).
     assert not settings.sdk_version_is_old("²") and not settings.sdk_version_is_old("١.٣٨")
+
+
+def test_fastapi_opentelemetry_spans_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a configured OpenTelemetry provider, FastAPI's native telemetry records each request only when
+    `otel_telemetry` says so (off by default: it costs every request a look at the global providers)."""
+    if "telemetry" not in inspect.signature(FastAPI).parameters:
+        pytest.skip("this FastAPI has no native telemetry")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)  # the global one is set once per process
+    spans = {}
+    for on in (False, True):
+        with make_client(otel_telemetry=on) as c:
+            assert c.get("/api/v1/healthz").status_code == 200
+        spans[on] = len(exporter.get_finished_spans())
+        exporter.clear()
+    assert spans[False] == 0 and spans[True] > 0
 
 
 def test_openapi_documents_hand_parsed_bodies(client: TestClient) -> None:
