@@ -16,6 +16,9 @@ for the cores, so wall-clock ratios understate it), tenants and tokens per pass 
 (from the server's pass log lines, `services/runtime/dispatch.py`), and round-trip p50/p95 per request kind.
 The server runs torch with `--torch-threads` intra-op threads (default 1, as `bench/gateway.py`: on two shared
 cores OpenMP threads spin-waiting between passes would be billed as CPU and bury the service's share).
+With `--threads`, the server's CPU per client call by thread, and the scheduler loop thread's split by part
+(its backend calls against the bookkeeping and planning around them: `carpool_scheduler_loop_cpu_seconds_total`
+from the server's /metrics, embedded mode).
 
 The last line is machine-readable (ratios single / multi for CPU per token; higher is better, 1 = packing
 costs nothing), one line:
@@ -46,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # keep the client's background traffic out of the figures
 
+import httpx  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
@@ -53,6 +57,7 @@ from tests.e2e.server import TINY_MODEL_NAME, Server, start_server  # noqa: E402
 
 PASS_LINE = re.compile(r" pass \S+: (\d+) requests, (\d+) tokens, (\d+) tenants,")
 SAMPLE_LINE = re.compile(r" sample batch \S+: (\d+) requests, (\d+) tokens generated")
+LOOP_CPU_LINE = re.compile(r'^carpool_scheduler_loop_cpu_seconds_total\{[^}]*part="(\w+)"[^}]*\} (\S+)$', re.M)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SETUP_TIMEOUT_S = 300.0
 HP = types.AdamParams(learning_rate=1e-4)
@@ -93,6 +98,16 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def loop_cpu_seconds(server: Server) -> dict[str, float]:
+    """The scheduler loop thread's CPU seconds by part, from the server's /metrics (embedded mode: in cluster
+    mode the loops run in scheduler processes that this gateway's /metrics does not show)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for part, value in LOOP_CPU_LINE.findall(text):
+        out[part] = out.get(part, 0.0) + float(value)
+    return out
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Python thread names by native thread id, from `py-spy dump` (3.11 does not name native threads);
     numbered pool threads share one name (`carpool-blocking-N`)."""
@@ -118,6 +133,8 @@ class Phase:
     sample_batches: list[int] = field(default_factory=list)
     threads: dict[str, float] = field(default_factory=dict)
     """Server CPU seconds by thread name (`--threads`): where the service path's time goes."""
+    loop_cpu: dict[str, float] = field(default_factory=dict)
+    """The scheduler loop thread's CPU seconds by part (`carpool_scheduler_loop_cpu_seconds_total`)."""
 
     @property
     def tok_s(self) -> float:
@@ -175,6 +192,7 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     recorder = Recorder(phase)
     log_offset = len(server.log())
     per_thread0 = thread_cpu_seconds(server.process.pid) if threads else {}
+    loop0 = loop_cpu_seconds(server)
     cpu0, started = tree_cpu_seconds(server.process.pid), time.perf_counter()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=loop, args=(recorder, deadline), daemon=True) for loop in loops]
@@ -186,6 +204,7 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     if spy is not None:
         spy.wait(60)
     phase.cpu_s = tree_cpu_seconds(server.process.pid) - cpu0
+    phase.loop_cpu = {part: cpu - loop0.get(part, 0.0) for part, cpu in loop_cpu_seconds(server).items()}
     if threads:
         names = thread_names(server.process.pid)
         for tid, cpu in thread_cpu_seconds(server.process.pid).items():
@@ -305,6 +324,13 @@ def report_threads(rounds: list[dict[str, Phase]]) -> None:
             parts = sorted(phase.threads.items(), key=lambda kv: -kv[1])
             text = "  ".join(f"{name} {1000 * cpu / calls:.2f}" for name, cpu in parts if cpu > 0)
             print(f"  round {i + 1} {phase.name:<13} {text}")
+    print("of it the scheduler loop thread's, by part (carpool_scheduler_loop_cpu_seconds_total), ms per client call:")
+    for i, phases in enumerate(rounds):
+        for phase in phases.values():
+            calls = len(phase.rtt_ms.get("fb", [])) + len(phase.rtt_ms.get("sample", []))
+            if phase.loop_cpu and calls:
+                text = "  ".join(f"{part} {1000 * cpu / calls:.2f}" for part, cpu in phase.loop_cpu.items() if cpu > 0)
+                print(f"  round {i + 1} {phase.name:<13} {text}")
 
 
 def ratio(rounds: list[dict[str, Phase]], metric: Callable[[dict[str, Phase]], float]) -> float:

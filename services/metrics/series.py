@@ -62,6 +62,10 @@ TOKEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65
 COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 ERROR_CATEGORIES = ("user", "server", "unknown")
 HUB_OUTCOMES = ("done", "failed")
+LOOP_CPU_PARTS = ("pass", "sample_batch", "barrier", "bookkeeping", "planning")
+"""What a scheduler loop's thread spends its CPU on: the backend's three kinds of call, then the per-request
+overhead around them (bookkeeping: recording, storing and announcing results; planning: claiming, admitting,
+the scheduler's step and its completion)."""
 
 
 class RuntimeMetrics:
@@ -96,6 +100,10 @@ class RuntimeMetrics:
                                          "(done or failed).", ["base_model", "kind", "outcome"])
         self.errors = counter("carpool_request_errors", "Failed requests by error category (user, server, "
                               "unknown).", ["base_model", "category"])
+        self.loop_cpu = counter("carpool_scheduler_loop_cpu_seconds", "CPU time of a scheduler loop's thread, "
+                                "by part: pass, sample_batch and barrier (the backend's calls), bookkeeping "
+                                "(recording, storing and announcing results) and planning (claiming, admitting, "
+                                "the scheduler's step).", ["base_model", "part"])
         self.lease_held = Gauge("carpool_scheduler_lease_held", "1 while this scheduler process holds the "
                                 "base model's lease (cluster mode; always 1 embedded).", ["base_model"],
                                 registry=registry)
@@ -139,6 +147,7 @@ class ModelSeries:
         self._sampled = metrics.tokens_sampled.labels(base_model)
         self._steps = metrics.optimizer_steps.labels(base_model)
         self._depth = metrics.queue_depth.labels(base_model)
+        self._loop_cpu = {part: metrics.loop_cpu.labels(base_model, part) for part in LOOP_CPU_PARTS}
         for category in ERROR_CATEGORIES:  # present at 0, so an error-rate alert has a series to read
             metrics.errors.labels(base_model, category)
         metrics.lease_held.labels(base_model)
@@ -181,6 +190,10 @@ class ModelSeries:
 
     def queue(self, depth: int) -> None:
         self._depth.set(depth)
+
+    def loop_cpu(self, part: str, seconds: float) -> None:
+        """The loop thread spent `seconds` of CPU on `part` (one of `LOOP_CPU_PARTS`)."""
+        self._loop_cpu[part].inc(max(0.0, seconds))
 
     def lease(self, held: bool) -> None:
         self._m.lease_held.labels(self.base_model).set(int(held))

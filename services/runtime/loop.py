@@ -11,7 +11,8 @@ crash in between redelivers work instead of losing it; an item whose bookkeeping
 unacknowledged until a retry writes it (`services.runtime.unrecorded`). Markers (`CONSUMED`) and duplicate
 deliveries produce no result of their own and are acked at once. Nothing that goes wrong in one iteration stops
 the loop: backend failures become error results (see `dispatch`), anything else is logged and the loop
-carries on.
+carries on. The thread's CPU time is billed to the backend's calls and to the work around them
+(`reporting.LoopCpu`, `carpool_scheduler_loop_cpu_seconds_total`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
 from services.runtime.unrecorded import UnrecordedBacklog, UnrecordedItem
-from services.scheduler.requests import Completion, PlanItem, QueuedRequest, RequestId, RequestKind
+from services.scheduler.requests import (
+    BarrierPlan,
+    Completion,
+    PassPlan,
+    PlanItem,
+    QueuedRequest,
+    RequestId,
+    RequestKind,
+    SampleBatchPlan,
+)
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -151,16 +161,22 @@ class SchedulerLoop:
 
         Public so that tests and tools can drive a loop synchronously without its thread.
         """
+        cpu = self._counters.cpu
+        cpu.restart()
         if self._unrecorded.due():
             self._record_backlog()
+            cpu.lap("bookkeeping")
         for delivery in self._claim(wait_s):
             self._admit(delivery)
         plan = self._scheduler.step()
         self._hold_until = None if plan.hold_s is None else time.monotonic() + plan.hold_s
+        cpu.lap("planning")
         self._deliver(list(plan.rejected), None)
+        cpu.lap("bookkeeping")
         for item in plan.items:
             self._execute(item)
         self._counters.record_scheduler(self._scheduler.stats(), self._queue.depth(self.base_model))
+        cpu.lap("planning")
         return len(plan.items) + len(plan.rejected)
 
     def _held_wait(self) -> float:
@@ -196,10 +212,17 @@ class SchedulerLoop:
         self._deliveries.setdefault(admission.request_id, []).append(delivery.delivery_id)
 
     def _execute(self, item: PlanItem) -> None:
+        """Run one plan item, billing the thread's CPU to the backend's call or to the work around it."""
+        cpu = self._counters.cpu
         pass_id = f"{self._pass_prefix}-{item.item_id}"
         self._notify_started(item.requests, pass_id)
+        cpu.lap("bookkeeping")
         results = self._dispatcher.run(item)
-        self._deliver(self._scheduler.complete(item, results), pass_id)
+        cpu.lap(_CPU_PART[type(item)])
+        completions = self._scheduler.complete(item, results)
+        cpu.lap("planning")
+        self._deliver(completions, pass_id)
+        cpu.lap("bookkeeping")
 
     def _notify_started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
         self._counters.record_started(requests)
@@ -281,6 +304,10 @@ class SchedulerLoop:
         for completion in completions:
             self._results.put(completion.request_id, StoredResult.from_completion(completion),
                               self._config.result_ttl_s)
+
+
+_CPU_PART: dict[type[PlanItem], str] = {PassPlan: "pass", BarrierPlan: "barrier", SampleBatchPlan: "sample_batch"}
+"""`carpool_scheduler_loop_cpu_seconds_total`'s part for the backend's call that runs a plan item."""
 
 
 def _same(a: Sequence[Completion], b: Sequence[Completion]) -> bool:

@@ -16,8 +16,9 @@ registered on the process registry when the composition root passes one, private
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from services.control.api import RuntimeStats
 from services.domain.sampling import SampleResult
@@ -58,12 +59,38 @@ class NullCompletionHook:
         return list(completions)
 
 
+class LoopCpu:
+    """The loop thread's CPU time by part (`carpool_scheduler_loop_cpu_seconds_total{part}`).
+
+    Why: with many small requests the loop's own per-request work (bookkeeping, planning) competes with the
+    passes for the same thread; this is how an operator, or `bench/service.py`, sees how much. `lap(part)`
+    bills the thread's CPU time since the previous lap (or `restart`) to `part`. Thread CPU time is per
+    thread, so only the loop's thread may call either, and it restarts at the top of every iteration.
+    """
+
+    clock: ClassVar[Callable[[], float]] = time.thread_time
+    """The thread's CPU clock (a class attribute, so that tests can drive it)."""
+
+    def __init__(self, series: ModelSeries) -> None:
+        self._series = series
+        self._last = 0.0
+
+    def restart(self) -> None:
+        self._last = LoopCpu.clock()
+
+    def lap(self, part: str) -> None:
+        now = LoopCpu.clock()
+        self._series.loop_cpu(part, now - self._last)
+        self._last = now
+
+
 class LoopCounters:
-    """Totals since the loop was built; thread-safe."""
+    """Totals since the loop was built; thread-safe (but `cpu`, which only the loop's thread uses)."""
 
     def __init__(self, base_model: str, series: ModelSeries | None = None) -> None:
         self._base_model = base_model
         self.series = series or RuntimeMetrics(None).for_model(base_model)
+        self.cpu = LoopCpu(self.series)
         self._lock = threading.Lock()
         self._passes = 0
         self._multi_tenant_passes = 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from services.control.api import ModelCreated, OptimStepDone
 from services.domain.backend import BaseModelInfo
@@ -26,9 +27,10 @@ from services.domain.training import (
     WorkError,
 )
 from services.jobqueue import InMemoryNotifier, InMemoryResultStore, InMemoryWorkQueue, ResultStatus
+from services.metrics.series import LOOP_CPU_PARTS, RuntimeMetrics
 from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimStep, Sample, SchedulerLoop
 from services.runtime.loop import TenantActivity
-from services.runtime.reporting import CompletionHook, StoreResults
+from services.runtime.reporting import CompletionHook, LoopCpu, StoreResults
 from services.scheduler import QueuedRequest, RequestId, RequestKind
 from services.scheduler.requests import Completion, ModelId, TenantId
 
@@ -87,8 +89,9 @@ class FakeBackend:
 
 
 class Rig:
-    def __init__(self, hook: CompletionHook | None = None, unrecorded_retry_s: float = 5.0) -> None:
-        self.backend = FakeBackend()
+    def __init__(self, hook: CompletionHook | None = None, unrecorded_retry_s: float = 5.0,
+                 backend: FakeBackend | None = None, metrics: RuntimeMetrics | None = None) -> None:
+        self.backend = backend or FakeBackend()
         self.queue, self.results, self.notifier = (
             InMemoryWorkQueue(),
             InMemoryResultStore(),
@@ -102,6 +105,7 @@ class Rig:
             self.notifier,
             config=LoopConfig(poll_s=0.02, batch_window_s=0.0, unrecorded_retry_s=unrecorded_retry_s),
             hook=hook,
+            metrics=metrics,
         )
         self._n = 0
 
@@ -235,6 +239,88 @@ def test_an_item_whose_bookkeeping_failed_keeps_its_queue_entries_until_it_is_wr
     assert hook.recorded == [[RequestId("r1")], [fb], [opt]]
     assert rig.queue.unacked(BASE) == 0
     assert [kind for kind, _ in rig.backend.calls] == ["create", "pass", "optim"]  # nothing ran twice
+
+
+class CpuClock:
+    """A stand-in for the loop thread's CPU clock, which the fakes below advance by what each part 'costs'."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostlyBackend(FakeBackend):
+    """Each backend call takes CPU: a pass 5 s, a sample batch 3 s, a barrier (create, optim_step) 0.5 s."""
+
+    def __init__(self, clock: CpuClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def create_adapter(self, adapter_id: AdapterId, spec: LoraSpec) -> None:
+        self.clock.now += 0.5
+        super().create_adapter(adapter_id, spec)
+
+    def forward_backward(self, works: Sequence[ForwardBackwardWork]) -> list[ForwardBackwardResult | WorkError]:
+        self.clock.now += 5.0
+        return super().forward_backward(works)
+
+    def optim_step(self, adapter_id: AdapterId, params: AdamParams) -> OptimStepResult:
+        self.clock.now += 0.5
+        return super().optim_step(adapter_id, params)
+
+    def sample(self, works: Sequence[SampleWork]) -> list[SampleResult | WorkError]:
+        self.clock.now += 3.0
+        return super().sample(works)
+
+
+class CostlyHook(FlakyHook):
+    """Bookkeeping takes CPU too: 0.125 s when an item starts, 0.25 s when it is recorded."""
+
+    def __init__(self, clock: CpuClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def started(self, requests: Sequence[QueuedRequest], pass_id: str) -> None:
+        self.clock.now += 0.125
+
+    def finished(self, completions: Sequence[Completion], pass_id: str | None,
+                 store: StoreResults) -> list[Completion]:
+        self.clock.now += 0.25
+        return super().finished(completions, pass_id, store)
+
+
+def test_the_loop_threads_cpu_is_billed_to_the_backends_calls_and_to_the_work_around_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = CpuClock()
+    monkeypatch.setattr(LoopCpu, "clock", clock)
+    registry = CollectorRegistry()
+    metrics = RuntimeMetrics(registry)
+    rig = Rig(CostlyHook(clock), backend=CostlyBackend(clock), metrics=metrics)
+    for tenant in ("a", "b"):
+        rig.put(tenant, RequestKind.CREATE, 0, CreateAdapter(ModelId(tenant), AdapterId(tenant), LoraSpec(rank=2)),
+                tenant=tenant)
+    rig.loop.run_once()
+    for tenant in ("a", "b"):  # two tenants' requests: one pass, then each tenant's own optim_step
+        rig.put(tenant, RequestKind.FORWARD_BACKWARD, 1, _fb(tenant), tenant=tenant, tokens=4)
+        rig.put(tenant, RequestKind.OPTIM_STEP, 2, OptimStep(AdapterId(tenant), AdamParams()), tenant=tenant)
+    rig.put("s", RequestKind.SAMPLE, 0, Sample(SampleWork(None, np.array([1, 2]))))
+    rig.loop.run_once()
+    rig.loop.run_once()
+
+    def billed(part: str) -> float | None:
+        return registry.get_sample_value("carpool_scheduler_loop_cpu_seconds_total",
+                                         {"base_model": BASE, "part": part})
+
+    kinds = [kind for kind, _ in rig.backend.calls]
+    assert sorted(kinds) == ["create", "create", "optim", "optim", "pass", "sample"]
+    items = len(kinds)  # one backend call per plan item: the pass ran both tenants' requests
+    assert billed("pass") == 5.0 and billed("sample_batch") == 3.0
+    assert billed("barrier") == 4 * 0.5  # two creates, two optim_steps
+    assert billed("bookkeeping") == items * (0.125 + 0.25)
+    assert billed("planning") == 0.0  # nothing above advanced the clock while the loop planned
+    assert sum(billed(part) or 0.0 for part in LOOP_CPU_PARTS) == clock.now
 
 
 def test_threaded_loop_wakes_waiters_and_stops_gracefully() -> None:
