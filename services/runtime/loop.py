@@ -47,7 +47,6 @@ from services.scheduler.requests import (
     QueuedRequest,
     RequestId,
     RequestKind,
-    SampleBatchPlan,
 )
 from services.scheduler.scheduler import Scheduler
 
@@ -218,7 +217,7 @@ class SchedulerLoop:
         self._notify_started(item.requests, pass_id)
         cpu.lap("bookkeeping")
         results = self._dispatcher.run(item)
-        cpu.lap(_CPU_PART[type(item)])
+        cpu.lap(_cpu_part(item))
         completions = self._scheduler.complete(item, results)
         cpu.lap("planning")
         self._deliver(completions, pass_id)
@@ -306,8 +305,12 @@ class SchedulerLoop:
                               self._config.result_ttl_s)
 
 
-_CPU_PART: dict[type[PlanItem], str] = {PassPlan: "pass", BarrierPlan: "barrier", SampleBatchPlan: "sample_batch"}
-"""`carpool_scheduler_loop_cpu_seconds_total`'s part for the backend's call that runs a plan item."""
+def _cpu_part(item: PlanItem) -> str:
+    """`carpool_scheduler_loop_cpu_seconds_total`'s part for the backend's call that ran `item` (the same
+    dispatch as `Dispatcher.run`: never a lookup that could fail between running an item and delivering it)."""
+    if isinstance(item, PassPlan):
+        return "pass"
+    return "barrier" if isinstance(item, BarrierPlan) else "sample_batch"
 
 
 def _same(a: Sequence[Completion], b: Sequence[Completion]) -> bool:
