@@ -141,6 +141,11 @@ class Phase:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
     @property
+    def client_calls(self) -> int:
+        """Training steps (one fb + optim_step) or sample calls the clients made."""
+        return len(self.rtt_ms.get("fb", [])) + len(self.rtt_ms.get("sample", []))
+
+    @property
     def cpu_ms_per_token(self) -> float:
         return 1000 * self.cpu_s / self.tokens if self.tokens else float("nan")
 
@@ -318,7 +323,7 @@ def report_threads(rounds: list[dict[str, Phase]]) -> None:
     print("server CPU ms per client call (train: one fb + optim_step; sample: one sample call) by thread:")
     for i, phases in enumerate(rounds):
         for phase in phases.values():
-            calls = len(phase.rtt_ms.get("fb", [])) + len(phase.rtt_ms.get("sample", []))
+            calls = phase.client_calls
             if not phase.threads or not calls:
                 continue
             parts = sorted(phase.threads.items(), key=lambda kv: -kv[1])
@@ -327,7 +332,7 @@ def report_threads(rounds: list[dict[str, Phase]]) -> None:
     print("of it the scheduler loop thread's, by part (carpool_scheduler_loop_cpu_seconds_total), ms per client call:")
     for i, phases in enumerate(rounds):
         for phase in phases.values():
-            calls = len(phase.rtt_ms.get("fb", [])) + len(phase.rtt_ms.get("sample", []))
+            calls = phase.client_calls
             if phase.loop_cpu and calls:
                 text = "  ".join(f"{part} {1000 * cpu / calls:.2f}" for part, cpu in phase.loop_cpu.items() if cpu > 0)
                 print(f"  round {i + 1} {phase.name:<13} {text}")

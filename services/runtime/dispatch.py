@@ -46,14 +46,15 @@ class Dispatcher:
         self._base_model = base_model
 
     def run(self, item: PlanItem) -> ItemResults:
-        """Run any plan item; raises nothing but `Fenced` (see the module docstring)."""
+        """Run any plan item; raises nothing but `Fenced` (see the module docstring). The loop thread's CPU
+        since its last lap is billed to the item's kind of backend call (`LoopCounters.cpu`)."""
         if isinstance(item, PassPlan):
-            return self._guarded(item, self._packed_pass)
+            return self._guarded(item, self._packed_pass, "pass")
         if isinstance(item, BarrierPlan):
-            return self._guarded(item, self._barrier)
-        return self._guarded(item, self._sample_batch)
+            return self._guarded(item, self._barrier, "barrier")
+        return self._guarded(item, self._sample_batch, "sample_batch")
 
-    def _guarded(self, item: PlanItem, run: Callable[[PlanItem], ItemResults]) -> ItemResults:
+    def _guarded(self, item: PlanItem, run: Callable[[PlanItem], ItemResults], cpu_part: str) -> ItemResults:
         try:
             return run(item)
         except Fenced:
@@ -65,6 +66,8 @@ class Dispatcher:
             log.exception("%s: %s failed (requests %s)", self._base_model, type(item).__name__, ids)
             message = f"internal error while running the request: {type(exc).__name__}: {exc}"
             return WorkError(message, "server")
+        finally:
+            self._counters.cpu.lap(cpu_part)
 
     def _barrier(self, item: PlanItem) -> ItemResults:
         assert isinstance(item, BarrierPlan)

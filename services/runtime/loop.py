@@ -39,15 +39,7 @@ from services.metrics.series import RuntimeMetrics
 from services.runtime.dispatch import Dispatcher
 from services.runtime.reporting import CompletionHook, LoopCounters, NullCompletionHook
 from services.runtime.unrecorded import UnrecordedBacklog, UnrecordedItem
-from services.scheduler.requests import (
-    BarrierPlan,
-    Completion,
-    PassPlan,
-    PlanItem,
-    QueuedRequest,
-    RequestId,
-    RequestKind,
-)
+from services.scheduler.requests import Completion, PlanItem, QueuedRequest, RequestId, RequestKind
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -216,8 +208,7 @@ class SchedulerLoop:
         pass_id = f"{self._pass_prefix}-{item.item_id}"
         self._notify_started(item.requests, pass_id)
         cpu.lap("bookkeeping")
-        results = self._dispatcher.run(item)
-        cpu.lap(_cpu_part(item))
+        results = self._dispatcher.run(item)  # bills the backend's call to its part
         completions = self._scheduler.complete(item, results)
         cpu.lap("planning")
         self._deliver(completions, pass_id)
@@ -303,14 +294,6 @@ class SchedulerLoop:
         for completion in completions:
             self._results.put(completion.request_id, StoredResult.from_completion(completion),
                               self._config.result_ttl_s)
-
-
-def _cpu_part(item: PlanItem) -> str:
-    """`carpool_scheduler_loop_cpu_seconds_total`'s part for the backend's call that ran `item` (the same
-    dispatch as `Dispatcher.run`: never a lookup that could fail between running an item and delivering it)."""
-    if isinstance(item, PassPlan):
-        return "pass"
-    return "barrier" if isinstance(item, BarrierPlan) else "sample_batch"
 
 
 def _same(a: Sequence[Completion], b: Sequence[Completion]) -> bool:
