@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random-weight Qwen3 models built locally (no hub), offline settings; and the end of a
-strict run (CI, `make test`): it fails when any test other than the CUDA ones was skipped (tests/required.py)."""
+"""Shared fixtures: tiny random-weight Qwen3 models built locally (no hub), offline settings; the SDK clients a
+test leaves open are closed after it (tests/sdk_janitor.py); and the end of a strict run (CI, `make test`): it
+fails when any test other than the CUDA ones was skipped (tests/required.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from tests.required import ALLOWED_SKIP_MARKERS, STRICT_ENV, strict
 from tests.s3_support import s3_bucket, s3_server  # noqa: F401 - session S3 server (moto) fixtures
+from tests.sdk_janitor import SdkJanitor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -56,3 +58,12 @@ class SkipAudit:
 def pytest_configure(config: pytest.Config) -> None:
     if strict():
         config.pluginmanager.register(SkipAudit(), "carpool-skip-audit")
+    janitor = SdkJanitor()
+    janitor.install()
+    config.pluginmanager.register(janitor, "carpool-sdk-janitor")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    janitor = config.pluginmanager.get_plugin("carpool-sdk-janitor")
+    if isinstance(janitor, SdkJanitor):
+        janitor.uninstall()

@@ -1,0 +1,80 @@
+"""Closes the `tinker.ServiceClient`s a test made and left open, right after the test body, while its server is
+still up.
+
+Why: an open client heartbeats its session and flushes telemetry from a daemon thread for the rest of the run.
+Once the test's server is gone, that thread fails every few seconds and formats the failure's traceback, and
+CPython 3.11 parses source with `ast.parse` to place the carets under it. Before 3.11.8 the AST converter keeps
+its recursion counter per interpreter, not per thread (cpython#106905), so a test parsing source at that moment
+fails with "SystemError: AST constructor recursion depth mismatch". Closing the clients stops those threads,
+and a real service's tenant would close its client too (context exit or `close()`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+CLOSE_WAIT_S = 10.0
+"""How long the finish calls of one test's clients may take together; a server the test already stopped
+answers nothing, and the SDK would retry for minutes, so the janitor stops waiting (the run goes on)."""
+
+
+class SdkJanitor:
+    """A pytest plugin: records every ServiceClient made while a test body runs and closes the open ones
+    after it. Clients a fixture makes are the fixture's to close. It holds the clients themselves: a test's
+    local client is collected when the body returns, but its session's heartbeat lives on in the SDK's
+    background loop, and only the client can finish it."""
+
+    def __init__(self) -> None:
+        self._made: list[Any] = []
+        self._recording = False
+        self._restore: Callable[[], None] | None = None
+
+    def install(self) -> None:
+        """Wrap `ServiceClient.__init__` so each new client is noted while a test body runs."""
+        import tinker
+
+        original = tinker.ServiceClient.__init__
+        janitor = self
+
+        def noting_init(client: Any, *args: Any, **kwargs: Any) -> None:
+            original(client, *args, **kwargs)
+            if janitor._recording:
+                janitor._made.append(client)
+
+        tinker.ServiceClient.__init__ = noting_init  # type: ignore[method-assign]
+        self._restore = lambda: setattr(tinker.ServiceClient, "__init__", original)
+
+    def uninstall(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        self._made, self._recording = [], True
+        try:
+            yield
+        finally:
+            self._recording = False
+            close_all(self._made)
+            self._made = []
+
+
+def close_all(clients: list[Any]) -> None:
+    """Finish each client's session (a no-op for one already closed) and wait, all together, up to
+    CLOSE_WAIT_S; a close that fails or is still waiting is left to the SDK."""
+    futures = []
+    for client in clients:
+        try:
+            futures.append(client.close("success"))
+        except Exception:  # noqa: BLE001 - a test may leave its client in any state; cleanup must not fail it
+            continue
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    for future in futures:
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - see above
+            continue

@@ -1,0 +1,58 @@
+"""The suite's SDK janitor (tests/sdk_janitor.py): it closes the clients a test body made, and only those."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import tinker
+
+from tests.sdk_janitor import SdkJanitor
+
+
+def is_closed(client: tinker.ServiceClient) -> bool:
+    try:
+        with client:
+            return False
+    except RuntimeError as error:
+        assert "closed" in str(error)
+        return True
+
+
+def make_and_drop() -> int:
+    """A test's local client: only its session's background heartbeat would outlive the body."""
+    return id(tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + "d" * 43))
+
+
+def test_the_janitor_closes_the_clients_made_in_a_test_body_and_leaves_a_fixtures_open(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[int] = []
+    close = tinker.ServiceClient.close
+
+    def noting_close(client: tinker.ServiceClient, *args: Any, **kwargs: Any) -> Any:
+        closed.append(id(client))
+        return close(client, *args, **kwargs)
+
+    monkeypatch.setattr(tinker.ServiceClient, "close", noting_close)
+    janitor = SdkJanitor()
+    janitor.install()
+    try:
+        fixtures = tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + "a" * 43)
+        body = janitor.pytest_runtest_call(item=None)  # type: ignore[arg-type] - the hook ignores its item
+        next(body)
+        made = [tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + "b" * 43) for _ in range(2)]
+        assert not any(is_closed(client) for client in made)
+        with pytest.raises(StopIteration):
+            body.send(None)
+        assert all(is_closed(client) for client in made)
+        assert not is_closed(fixtures)
+        body = janitor.pytest_runtest_call(item=None)  # type: ignore[arg-type]
+        next(body)
+        dropped = make_and_drop()
+        with pytest.raises(StopIteration):
+            body.send(None)
+        assert dropped in closed
+        after = tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + "c" * 43)
+        assert not is_closed(after)
+    finally:
+        janitor.uninstall()
