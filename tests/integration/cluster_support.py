@@ -331,19 +331,20 @@ def train_with_sdk(url: str, key: str, tenant: int, steps: int,
     import tinker
     from tinker import types
 
-    client = tinker.ServiceClient(base_url=url, api_key=key)
-    training = client.create_lora_training_client(base_model=BASE, rank=RANK, seed=seed_of(tenant)).result()
-    for step, batch in enumerate(tenant_batches(tenant, steps)):
-        data = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1].tolist()),
-                            loss_fn_inputs={"target_tokens": t[1:].tolist(), "weights": [1.0] * (len(t) - 1)})
-                for t in batch]
-        fb = training.forward_backward(data, "cross_entropy")
-        optim = training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
-        assert fb.result(timeout=wait_s).metrics["loss:sum"] > 0
-        optim.result(timeout=wait_s)
-        if after_step is not None:
-            after_step(tenant, step)
-    return training.save_state("final").result(timeout=wait_s).path
+    # Closed on the way out, as a tenant's script would: its session's heartbeat must not outlive the stack.
+    with tinker.ServiceClient(base_url=url, api_key=key) as client:
+        training = client.create_lora_training_client(base_model=BASE, rank=RANK, seed=seed_of(tenant)).result()
+        for step, batch in enumerate(tenant_batches(tenant, steps)):
+            data = [types.Datum(model_input=types.ModelInput.from_ints(t[:-1].tolist()),
+                                loss_fn_inputs={"target_tokens": t[1:].tolist(), "weights": [1.0] * (len(t) - 1)})
+                    for t in batch]
+            fb = training.forward_backward(data, "cross_entropy")
+            optim = training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
+            assert fb.result(timeout=wait_s).metrics["loss:sum"] > 0
+            optim.result(timeout=wait_s)
+            if after_step is not None:
+                after_step(tenant, step)
+        return training.save_state("final").result(timeout=wait_s).path
 
 
 def train_all(url: str, keys: list[str], steps: int,

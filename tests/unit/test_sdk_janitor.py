@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import pytest
 import tinker
 
+from tests import sdk_janitor
 from tests.sdk_janitor import SdkJanitor
 
 
@@ -56,3 +58,26 @@ def test_the_janitor_closes_the_clients_made_in_a_test_body_and_leaves_a_fixture
         assert not is_closed(after)
     finally:
         janitor.uninstall()
+
+
+class Hanging:
+    """A client whose server never answers its close (stopped before the janitor came)."""
+
+    def close(self, status: str) -> concurrent.futures.Future[None]:
+        assert status == "success"
+        return concurrent.futures.Future()
+
+
+class Broken:
+    def close(self, status: str) -> None:
+        raise RuntimeError("the client is in a state no close can handle")
+
+
+def test_close_all_counts_the_closes_still_waiting_and_survives_broken_clients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sdk_janitor, "CLOSE_WAIT_S", 0.05)
+    done = concurrent.futures.Future[None]()
+    done.set_result(None)
+    finished = type("Finished", (), {"close": lambda self, status: done})()
+    assert sdk_janitor.close_all([Hanging(), finished, Broken(), Hanging()]) == 2
+    assert sdk_janitor.close_all([finished]) == 0
