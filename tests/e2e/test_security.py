@@ -383,7 +383,7 @@ def test_other_tenants_training_run_is_not_found(tenant_a: TenantA, bob: httpx.C
     listed = bob.get("/api/v1/training_runs", params={"access_scope": "accessible"}).json()["training_runs"]
     assert model not in [run["training_run_id"] for run in listed]
     assert not bob.get("/api/v1/checkpoints").json()["checkpoints"]
-    rest = tinker.ServiceClient(base_url=server.url, api_key=key_b).create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=key_b)
     with pytest.raises(tinker.NotFoundError):
         rest.get_training_run(model).result()
     with pytest.raises(tinker.NotFoundError):
@@ -441,7 +441,8 @@ def test_other_tenants_private_checkpoints_are_not_found(server: Server, tenant_
     with pytest.raises(tinker.NotFoundError):
         service_b.create_training_client_from_state_with_optimizer(tenant_a.state_path).result()
     with pytest.raises(tinker.NotFoundError):
-        service_b.create_rest_client().get_weights_info_by_tinker_path(tenant_a.state_path).result()
+        tinker.RestClient(base_url=server.url, api_key=key_b).get_weights_info_by_tinker_path(
+            tenant_a.state_path).result()
     service_b.holder.close()
     # Nothing of A's changed: all three checkpoints are still there, private and without expiry.
     with api(server, tenant_a.key) as alice:
