@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,7 +31,7 @@ class SdkJanitor:
     def __init__(self) -> None:
         self._made: list[Any] = []
         self._recording = False
-        self._restore: Callable[[], None] | None = None
+        self._patches = pytest.MonkeyPatch()
 
     def install(self) -> None:
         """Wrap `ServiceClient.__init__` so each new client is noted while a test body runs."""
@@ -45,13 +45,10 @@ class SdkJanitor:
             if janitor._recording:
                 janitor._made.append(client)
 
-        tinker.ServiceClient.__init__ = noting_init  # type: ignore[method-assign]
-        self._restore = lambda: setattr(tinker.ServiceClient, "__init__", original)
+        self._patches.setattr(tinker.ServiceClient, "__init__", noting_init)
 
     def uninstall(self) -> None:
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
+        self._patches.undo()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
