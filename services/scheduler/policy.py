@@ -190,6 +190,11 @@ class FairPacker:
             served = self._sweep(order, lanes, room, chosen)
             if order and not served:
                 self._top_up(order, lanes, room)
+                # The new round's turns start with whoever sent nothing in this pass yet: left to the
+                # tenant order, one with credit left from earlier rounds could fill a small paced pass
+                # before another's first turn, and a closed-loop light tenant would miss every other pass.
+                sent = {r.tenant_id for r in chosen}
+                order.sort(key=lambda t: t in sent)
         if chosen:
             self._passes += 1
         for request in chosen:

@@ -23,8 +23,9 @@ passes each wait longer, not less.
 Independent closed-loop clients would never arrive together, so a pass (and a sample batch) may be held
 for active tenants predicted to arrive soon (`services/scheduler/arrivals.py`): never for a lone tenant,
 never while a full pass (tokens or adapters) is queued, at most `hold_factor` times the item's fixed cost
-(`max_hold_seconds` at most). Beside a heavy backlog a pass waits for a light tenant only when the paced
-pass has room for it beside the heavy one, and at most `HEAVY_HOLD_SHARE` of that pass. A held step returns
+(`max_hold_seconds` at most). Beside a heavy backlog a paced pass always has room for the light tenant and
+one more request its size, so the two ride together rather than take turns, and it waits for a light tenant
+due back at most `HEAVY_HOLD_SHARE` of that pass. A held step returns
 `StepPlan.hold_s`, how long the loop may wait for new submissions before stepping again. A step's barriers
 of the models in the pass that completed last run before its passes (`StepPlan.items`), the others after.
 """
@@ -63,9 +64,17 @@ from services.scheduler.requests import (
     pair_results,
 )
 
-HEAVY_HOLD_SHARE = 0.25
+HEAVY_HOLD_SHARE = 0.5
 """Beside a heavy backlog, a pass waits for a light tenant due back for at most this share of its estimated
-duration (the heavy tenant's price, per light step, for the light tenant not waiting a whole pass out)."""
+duration (the heavy tenant's price, per light step, for the light tenant not waiting a whole pass out). Half
+a pass covers an SDK client's turnaround (10-15 ms over HTTP) beside the ~30-40 ms passes of a CPU; a quarter
+did not, and the light tenant then waited out a pass on every step (simulated: 2.4x its wait alone instead of
+1.4x, docs/performance.md "Fairness")."""
+
+RIDE_ALONG_REQUESTS = 2
+"""Beside a heavy backlog, a paced pass has room for at least this many requests of the light tenant's size:
+the light one and one more. With room for one only, the two would take turns, and the light tenant would wait
+a whole heavy pass on every step (about 2x its own pass); riding along costs it only the extra tokens."""
 
 CONTENTION_WINDOW_S = 5.0
 """How recently another tenant must have had pass work for passes to be paced (a training loop's requests
@@ -305,13 +314,17 @@ class Scheduler:
         """While tenants contend: the paced budget, set by the smallest one's work, but at least one pass for
         every queued tenant of about that size (within the latency factor). Pacing bounds a light tenant's
         wait beside a heavy backlog; equal tenants split over several passes would each wait longer, not
-        less, and pay a pass's fixed cost each. Else the hard limit."""
+        less, and pay a pass's fixed cost each. Beside a heavy backlog, room for the light tenant to ride
+        along with one more request (`RIDE_ALONG_REQUESTS`). Else the hard limit."""
         hard = self.limits.max_tokens_per_pass
         alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
         if alike is None:
             return hard
-        one_round = sum(tokens for tokens in queued_tokens(runs).values() if tokens <= alike)
-        return max(self._pacer.budget(hard, self._pass_work.smallest()), min(hard, one_round))
+        smallest = self._pass_work.smallest()
+        floor = sum(tokens for tokens in queued_tokens(runs).values() if tokens <= alike)
+        if self._pass_work.any_above(alike):
+            floor = max(floor, RIDE_ALONG_REQUESTS * smallest)
+        return max(self._pacer.budget(hard, smallest), min(hard, floor))
 
     def _heavy_hold_cap(self, budget: int) -> float | None:
         """Beside a heavy backlog (a tenant with more queued than pacing lets into one pass), the longest a
@@ -322,10 +335,6 @@ class Scheduler:
         alike = self._pass_work.alike_tokens(self.limits.pass_latency_factor)
         if alike is None or not self._pass_work.any_above(alike):
             return None
-        if budget < 2 * self._pass_work.smallest():
-            # A paced pass fits about one request: the light tenant could not ride along with the heavy
-            # one, only take turns with it, so waiting for it would idle the engine for nothing.
-            return 0.0
         estimate = self._pacer.model.estimate(budget)
         return 0.0 if estimate is None else HEAVY_HOLD_SHARE * estimate
 

@@ -66,6 +66,9 @@ class Client:
     start_s: float = 0.0
     models: int = 1
     """Independent loops of this tenant (each its own model), like bench/fairness.py's heavy tenant."""
+    pipelined: bool = False
+    """Submit each `optim_step` together with its `forward_backward` (as the SDK's futures allow and
+    bench/fairness.py does) instead of after the forward_backward's result."""
 
     def loops(self) -> list[str]:
         return [self.tenant] if self.models == 1 else [f"{self.tenant}/{k}" for k in range(self.models)]
@@ -165,6 +168,11 @@ class ClosedLoopSim:
             self._submit(loop, kind, at)
 
     def _submit(self, loop: str, kind: RequestKind, at: float) -> None:
+        self._submit_one(loop, kind, at)
+        if kind is RequestKind.FORWARD_BACKWARD and self._loops[loop].pipelined:
+            self._submit_one(loop, RequestKind.OPTIM_STEP, at)
+
+    def _submit_one(self, loop: str, kind: RequestKind, at: float) -> None:
         client = self._loops[loop]
         seq = self._seq.get(loop, 0) + 1
         self._seq[loop] = seq
@@ -200,7 +208,8 @@ class ClosedLoopSim:
             return
         turnaround = client.turnaround_s * self._rng.uniform(1 - self._jitter, 1 + self._jitter)
         if request.kind is RequestKind.FORWARD_BACKWARD:
-            self._at(self.now + turnaround, loop, RequestKind.OPTIM_STEP)
+            if not client.pipelined:
+                self._at(self.now + turnaround, loop, RequestKind.OPTIM_STEP)
         else:
             self._thinking[loop] = (self.now, self.now + client.think_s)
             self._at(self.now + client.think_s + turnaround, loop, _first_kind(client))

@@ -118,19 +118,48 @@ def test_sampling_clients_come_to_share_batches() -> None:
     assert statistics.mean(held.sample_batch_sizes) > 7.5
 
 
-def test_beside_a_heavy_backlog_pacing_decides_not_holds_when_a_paced_pass_fits_one_request() -> None:
-    """bench/fairness.py's case: a heavy tenant (ten models back to back) beside a light one. On this CPU
-    shape a paced pass holds about one request, so holding for the light tenant would only make it take
-    turns with the heavy one (and idle the engine meanwhile): no holds, and the light tenant's latency is
-    what pacing gives."""
-    def light_latency(limits: SchedulerLimits) -> tuple[float, int]:
-        clients = [Client("light", 64, TURNAROUND_S), Client("heavy", 64, 0.001, models=10)]
-        report = ClosedLoopSim(limits, CPU, clients).run(20.0)
-        return statistics.median(report.latencies["light"]), report.holds
+def light_beside_heavy(cost: EngineCost, *, pipelined: bool) -> tuple[float, SimReport]:
+    """bench/fairness.py's case: a light tenant (64 tokens a step, an SDK client's turnaround) beside a heavy
+    one (ten models of 64 tokens back to back). Returns the light tenant's median wait beside the heavy one
+    over its median wait alone, and the report of the shared run."""
+    def light(seconds: float, *others: Client) -> SimReport:
+        clients = [Client("light", 64, TURNAROUND_S, pipelined=pipelined), *others]
+        return ClosedLoopSim(SchedulerLimits(), cost, clients).run(seconds)
 
-    held, holds = light_latency(SchedulerLimits())
-    assert holds < 5  # at most while the pacer learns who is heavy
-    assert held <= light_latency(NO_HOLD)[0]
+    alone = light(10.0)
+    shared = light(20.0, Client("heavy", 64, 0.001, models=10, pipelined=pipelined))
+    return statistics.median(shared.latencies["light"]) / statistics.median(alone.latencies["light"]), shared
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_beside_a_heavy_backlog_the_light_tenant_rides_along_rather_than_takes_turns(pipelined: bool) -> None:
+    """On this CPU shape (fixed cost below 64 tokens' worth) a pass paced to 1.5x the light tenant's own
+    holds one request. The two would take turns, and the light tenant would wait a whole heavy pass every
+    step (about 2x its wait alone, as before RIDE_ALONG_REQUESTS). With room for one heavy request beside it
+    and a hold for it, it rides along: its wait is its own pass with one more request in it. (Pipelined, this
+    seed also pins the packer's turn order after a top-up: the light tenant, back with no credit, lost every
+    other pass to the heavy one's leftover credit, 3.1x.)"""
+    ratio, shared = light_beside_heavy(CPU, pipelined=pipelined)
+    pass_s = CPU.fixed_s + 64 * CPU.per_token_s
+    two_s = CPU.fixed_s + 128 * CPU.per_token_s
+    assert ratio <= 1.05 * two_s / pass_s < 1.7
+    assert shared.holds > 0
+    assert shared.tokens["heavy"] > 5 * 64 / shared.seconds  # the heavy tenant keeps progressing
+
+
+THIS_BOX = EngineCost(fixed_s=0.0166, per_token_s=0.000185)
+"""A fit bench/fairness.py's pacer made on this machine (2026-12-05): fixed cost worth 90 tokens, so a paced
+pass beside a 64-token tenant holds two requests (~41 ms)."""
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_light_sdk_client_is_waited_for_over_its_turnaround(pipelined: bool) -> None:
+    """An SDK client's turnaround (15 ms) is over a quarter of a ~41 ms paced pass: a hold of at most a
+    quarter (the earlier HEAVY_HOLD_SHARE) never covered it, so the light tenant came back just after the next
+    pass started and waited it out every step (2.4-2.6x its wait alone). Half a pass covers it."""
+    ratio, shared = light_beside_heavy(THIS_BOX, pipelined=pipelined)
+    assert ratio <= 1.5
+    assert shared.holds > 0
 
 
 GPU_LIKE = EngineCost(fixed_s=0.03, per_token_s=0.00002)
