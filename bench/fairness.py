@@ -17,8 +17,9 @@ service's default (`SchedulerLimits()`: latency-fair pacing, `CARPOOL_PASS_LATEN
 (duration, tokens) and barrier (duration, count per pass), and the share of the loop's item time spent in
 the engine and in the request log (completion hook DB writes): where the fixed per-item cost that small
 passes pay more often comes from. The last line is machine-readable, for the default configuration:
-RESULT b_wait_ratio=X a_tokens_per_s=X (ratio = B's median wait beside A over B's median wait alone; A's
-throughput while B trains beside it).
+RESULT b_wait_ratio=X a_tokens_per_s=X b_wait_ratio_round_median=X (ratio = B's median wait beside A over
+B's median wait alone, over all rounds; A's throughput while B trains beside it; the median over rounds of
+each round's own ratio, which a machine whose speed drifts between rounds moves less).
 """
 
 from __future__ import annotations
@@ -230,6 +231,8 @@ class PhaseResult:
     """(kind, tokens, seconds) of the plan items run while measuring."""
     engine_s: float = 0.0
     hook_s: float = 0.0
+    b_waits_by_round: list[list[float]] = field(default_factory=list)
+    """B's waits of each round on its own (a round's phases run back to back, minutes apart from the next)."""
 
     def item_summary(self) -> str:
         passes = [(n, s) for kind, n, s in self.items if kind == "pass"]
@@ -295,7 +298,9 @@ async def phase(service: Service, into: PhaseResult, load: Workload, *, with_a: 
     into.a_tokens += sum(t.tokens_done for t in a) - a_before
     stop.set()
     await asyncio.gather(*a_tasks)
-    into.b_waits_s += load.b.waits_s if with_b else []
+    if with_b:
+        into.b_waits_s += load.b.waits_s
+        into.b_waits_by_round.append(list(load.b.waits_s))
 
 
 @dataclass
@@ -310,6 +315,14 @@ class Variant:
     @property
     def b_wait_ratio(self) -> float:
         return self.results[2].b_median_ms / self.results[0].b_median_ms
+
+    @property
+    def round_ratios(self) -> list[float]:
+        """B's median wait beside A over its median wait alone, round by round: each against the B-alone
+        phase just before it, so that a machine whose speed drifts between rounds compares like with like."""
+        return [statistics.median(shared) / statistics.median(alone)
+                for alone, shared in zip(self.results[0].b_waits_by_round, self.results[2].b_waits_by_round,
+                                         strict=True)]
 
     @property
     def a_tokens_per_s(self) -> float:
@@ -363,10 +376,13 @@ def report(variants: list[Variant], args: argparse.Namespace) -> None:
             print(f"{v.name:<22} {r.name:<8} {b_median:>9} {b_p90:>9} {len(r.b_waits_s):>8} {a_rate:>11} {b_rate:>11}  "
                   f"{r.item_summary()}")
         stats = v.service.loop.stats()
-        print(f"{v.name:<22} b_wait_ratio {v.b_wait_ratio:.2f}; passes {stats.passes}, mean tokens/pass "
-              f"{stats.tokens / max(1, stats.passes):.0f}, mean tenants/pass {stats.mean_tenants_per_pass:.2f}")
+        rounds = ", ".join(f"{r:.2f}" for r in v.round_ratios)
+        print(f"{v.name:<22} b_wait_ratio {v.b_wait_ratio:.2f} (by round: {rounds}); passes {stats.passes}, "
+              f"mean tokens/pass {stats.tokens / max(1, stats.passes):.0f}, mean tenants/pass "
+              f"{stats.mean_tenants_per_pass:.2f}")
     default = variants[0]  # the service's default configuration
-    print(f"RESULT b_wait_ratio={default.b_wait_ratio:.2f} a_tokens_per_s={default.a_tokens_per_s:.0f}")
+    print(f"RESULT b_wait_ratio={default.b_wait_ratio:.2f} a_tokens_per_s={default.a_tokens_per_s:.0f} "
+          f"b_wait_ratio_round_median={statistics.median(default.round_ratios):.2f}")
 
 
 def parse_args() -> argparse.Namespace:
