@@ -395,7 +395,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--a-models", type=int, default=10,
                         help="A's models, each training back to back; A's tokens are split among them")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per datum")
-    parser.add_argument("--b-steps", type=int, default=10, help="B's measured steps per phase and round")
+    parser.add_argument("--b-steps", type=int, default=30,
+                        help="B's measured steps per phase and round (10 until 2026-12-05: a round's median of "
+                        "10 waits moved by 0.3 from round to round)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three phases")
     parser.add_argument("--a-alone-s", type=float, default=4.0, help="length of an A-alone round")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="A runs this long before B measures")
