@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight Qwen3 models built locally (no hub), offline settings; the SDK clients a
-test leaves open are closed after it (tests/sdk_janitor.py); and the end of a strict run (CI, `make test`): it
+test leaves open are closed after it (tests/sdk_janitor.py); processes the run leaves alive are listed in the
+summary (tests/leftovers.py); and the end of a strict run (CI, `make test`): it
 fails when any test other than the CUDA ones was skipped (tests/required.py)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.leftovers import LeftoverReport
 from tests.required import ALLOWED_SKIP_MARKERS, STRICT_ENV, strict
 from tests.s3_support import s3_bucket, s3_server  # noqa: F401 - session S3 server (moto) fixtures
 from tests.sdk_janitor import SdkJanitor
@@ -61,6 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
     janitor = SdkJanitor()
     janitor.install()
     config.pluginmanager.register(janitor, "carpool-sdk-janitor")
+    config.pluginmanager.register(LeftoverReport(), "carpool-leftovers")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
