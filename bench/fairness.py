@@ -224,7 +224,6 @@ class PhaseResult:
     """One kind of phase, summed over its rounds."""
 
     name: str
-    b_waits_s: list[float] = field(default_factory=list)
     a_tokens: int = 0
     seconds: float = 0.0
     items: list[tuple[str, int, float]] = field(default_factory=list)
@@ -233,6 +232,11 @@ class PhaseResult:
     hook_s: float = 0.0
     b_waits_by_round: list[list[float]] = field(default_factory=list)
     """B's waits of each round on its own (a round's phases run back to back, minutes apart from the next)."""
+
+    @property
+    def b_waits_s(self) -> list[float]:
+        """B's waits of every round."""
+        return [wait for waits in self.b_waits_by_round for wait in waits]
 
     def item_summary(self) -> str:
         passes = [(n, s) for kind, n, s in self.items if kind == "pass"]
@@ -299,7 +303,6 @@ async def phase(service: Service, into: PhaseResult, load: Workload, *, with_a: 
     stop.set()
     await asyncio.gather(*a_tasks)
     if with_b:
-        into.b_waits_s += load.b.waits_s
         into.b_waits_by_round.append(list(load.b.waits_s))
 
 

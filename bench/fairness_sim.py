@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.scheduler import SchedulerLimits  # noqa: E402
-from services.scheduler.simulation import Client, ClosedLoopSim, EngineCost  # noqa: E402
+from services.scheduler.simulation import Client, EngineCost, wait_ratio_beside  # noqa: E402
 
 SHAPES = {
     "cpu 12 ms + 0.30 ms/tok": (0.012, 0.0003),
@@ -43,9 +43,8 @@ def light_ratio(cost: EngineCost, turnaround_s: float, pipelined: bool, args: ar
     """(B's median wait beside A / alone, A's tokens/s, B's tokens/s beside A)."""
     light = Client("light", 64, turnaround_s, pipelined=pipelined)
     heavy = Client("heavy", 64, 0.001, models=10, pipelined=pipelined)
-    alone = ClosedLoopSim(limits, cost, [light], seed=args.seed).run(args.seconds / 3)
-    shared = ClosedLoopSim(limits, cost, [light, heavy], seed=args.seed).run(args.seconds)
-    ratio = statistics.median(shared.latencies["light"]) / statistics.median(alone.latencies["light"])
+    ratio, shared = wait_ratio_beside(limits, cost, light, [heavy], seconds=args.seconds,
+                                      alone_seconds=args.seconds / 3, seed=args.seed)
     return ratio, shared.tokens["heavy"] / shared.seconds, shared.tokens["light"] / shared.seconds
 
 

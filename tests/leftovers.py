@@ -43,11 +43,10 @@ def leftover_processes() -> list[tuple[int, str]]:
         pid = stat[0] if stat else 0
     sid = os.getsid(0)
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) not in ancestors:
-            stat = _stat(int(entry.name))
-            if stat is not None and stat[1] == sid:
-                found.append((int(entry.name), _cmdline(int(entry.name))))
+    for pid in (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()):
+        stat = None if pid in ancestors else _stat(pid)
+        if stat is not None and stat[1] == sid:
+            found.append((pid, _cmdline(pid)))
     return sorted(found)
 
 

@@ -322,8 +322,9 @@ class Scheduler:
             return hard
         smallest = self._pass_work.smallest()
         floor = sum(tokens for tokens in queued_tokens(runs).values() if tokens <= alike)
-        if self._pass_work.any_above(alike):
-            floor = max(floor, RIDE_ALONG_REQUESTS * smallest)
+        # Checked second: the scan of every contending tenant is only worth it when the floor would rise.
+        if RIDE_ALONG_REQUESTS * smallest > floor and self._pass_work.any_above(alike):
+            floor = RIDE_ALONG_REQUESTS * smallest
         return max(self._pacer.budget(hard, smallest), min(hard, floor))
 
     def _heavy_hold_cap(self, budget: int) -> float | None:

@@ -220,5 +220,15 @@ class ClosedLoopSim:
         return all(start <= self.now < end for start, end in spans)
 
 
+def wait_ratio_beside(limits: SchedulerLimits, cost: EngineCost, client: Client, others: list[Client], *,
+                      seconds: float, alone_seconds: float, seed: int = 0) -> tuple[float, SimReport]:
+    """`client`'s median wait beside `others` over its median wait alone (each run on its own simulation),
+    and the report of the shared run: how bench/fairness.py judges a light tenant beside a heavy one."""
+    alone = ClosedLoopSim(limits, cost, [client], seed=seed).run(alone_seconds)
+    shared = ClosedLoopSim(limits, cost, [client, *others], seed=seed).run(seconds)
+    ratio = statistics.median(shared.latencies[client.tenant]) / statistics.median(alone.latencies[client.tenant])
+    return ratio, shared
+
+
 def _first_kind(client: Client) -> RequestKind:
     return RequestKind.SAMPLE if client.sampling else RequestKind.FORWARD_BACKWARD

@@ -12,7 +12,7 @@ import pytest
 
 from services.scheduler import RequestKind, SchedulerLimits, TenantId
 from services.scheduler.arrivals import PASS, SAMPLE, ArrivalForecast, Expected, decide_hold
-from services.scheduler.simulation import Client, ClosedLoopSim, EngineCost, SimReport
+from services.scheduler.simulation import Client, ClosedLoopSim, EngineCost, SimReport, wait_ratio_beside
 
 CPU = EngineCost(fixed_s=0.025, per_token_s=0.0005)
 """This 2-core machine's tiny model, roughly: a 32-token pass 41 ms, a 256-token pass 153 ms."""
@@ -122,13 +122,9 @@ def light_beside_heavy(cost: EngineCost, *, pipelined: bool) -> tuple[float, Sim
     """bench/fairness.py's case: a light tenant (64 tokens a step, an SDK client's turnaround) beside a heavy
     one (ten models of 64 tokens back to back). Returns the light tenant's median wait beside the heavy one
     over its median wait alone, and the report of the shared run."""
-    def light(seconds: float, *others: Client) -> SimReport:
-        clients = [Client("light", 64, TURNAROUND_S, pipelined=pipelined), *others]
-        return ClosedLoopSim(SchedulerLimits(), cost, clients).run(seconds)
-
-    alone = light(10.0)
-    shared = light(20.0, Client("heavy", 64, 0.001, models=10, pipelined=pipelined))
-    return statistics.median(shared.latencies["light"]) / statistics.median(alone.latencies["light"]), shared
+    light = Client("light", 64, TURNAROUND_S, pipelined=pipelined)
+    heavy = Client("heavy", 64, 0.001, models=10, pipelined=pipelined)
+    return wait_ratio_beside(SchedulerLimits(), cost, light, [heavy], seconds=20.0, alone_seconds=10.0)
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
