@@ -57,6 +57,7 @@ from tests.e2e.server import TINY_MODEL_NAME, Server, start_server  # noqa: E402
 
 PASS_LINE = re.compile(r" pass \S+: (\d+) requests, (\d+) tokens, (\d+) tenants,")
 SAMPLE_LINE = re.compile(r" sample batch \S+: (\d+) requests, (\d+) tokens generated")
+GROUP_COMMIT_LINE = re.compile(r'^carpool_db_group_commit_(jobs|groups)_total (\S+)$', re.M)
 LOOP_CPU_LINE = re.compile(r'^carpool_scheduler_loop_cpu_seconds_total\{[^}]*part="(\w+)"[^}]*\} (\S+)$', re.M)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SETUP_TIMEOUT_S = 300.0
@@ -108,6 +109,12 @@ def loop_cpu_seconds(server: Server) -> dict[str, float]:
     return out
 
 
+def group_commit_counts(server: Server) -> dict[str, float]:
+    """The submissions' group commit so far: `jobs` and `groups` (empty when the server runs without it)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {name: float(value) for name, value in GROUP_COMMIT_LINE.findall(text)}
+
+
 def thread_names(pid: int) -> dict[int, str]:
     """Python thread names by native thread id, from `py-spy dump` (3.11 does not name native threads);
     numbered pool threads share one name (`carpool-blocking-N`)."""
@@ -135,6 +142,8 @@ class Phase:
     """Server CPU seconds by thread name (`--threads`): where the service path's time goes."""
     loop_cpu: dict[str, float] = field(default_factory=dict)
     """The scheduler loop thread's CPU seconds by part (`carpool_scheduler_loop_cpu_seconds_total`)."""
+    group_commit: dict[str, float] = field(default_factory=dict)
+    """Submissions' write transactions (`jobs`) and the transactions they ran in (`groups`) in the phase."""
 
     @property
     def tok_s(self) -> float:
@@ -197,7 +206,7 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     recorder = Recorder(phase)
     log_offset = len(server.log())
     per_thread0 = thread_cpu_seconds(server.process.pid) if threads else {}
-    loop0 = loop_cpu_seconds(server)
+    loop0, grouped0 = loop_cpu_seconds(server), group_commit_counts(server)
     cpu0, started = tree_cpu_seconds(server.process.pid), time.perf_counter()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=loop, args=(recorder, deadline), daemon=True) for loop in loops]
@@ -210,6 +219,7 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
         spy.wait(60)
     phase.cpu_s = tree_cpu_seconds(server.process.pid) - cpu0
     phase.loop_cpu = {part: cpu - loop0.get(part, 0.0) for part, cpu in loop_cpu_seconds(server).items()}
+    phase.group_commit = {k: v - grouped0.get(k, 0.0) for k, v in group_commit_counts(server).items()}
     if threads:
         names = thread_names(server.process.pid)
         for tid, cpu in thread_cpu_seconds(server.process.pid).items():
@@ -336,6 +346,11 @@ def report_threads(rounds: list[dict[str, Phase]]) -> None:
             if phase.loop_cpu and calls:
                 text = "  ".join(f"{part} {1000 * cpu / calls:.2f}" for part, cpu in phase.loop_cpu.items() if cpu > 0)
                 print(f"  round {i + 1} {phase.name:<13} {text}")
+    print("submissions per group-commit transaction (carpool_db_group_commit_jobs_total / groups_total):")
+    for i, phases in enumerate(rounds):
+        text = "  ".join(f"{p.name} {p.group_commit['jobs'] / p.group_commit['groups']:.2f}"
+                         for p in phases.values() if p.group_commit.get("groups"))
+        print(f"  round {i + 1} {text or 'group commit off'}")
 
 
 def ratio(rounds: list[dict[str, Phase]], metric: Callable[[dict[str, Phase]], float]) -> float:

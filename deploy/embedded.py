@@ -70,6 +70,7 @@ class EmbeddedService:
             self.sweeper.stop()
         for loop in self.loops:
             loop.stop()
+        self.control.close()
         self.db.dispose()
 
 
@@ -170,7 +171,8 @@ def _control_options(settings: ServiceSettings) -> ControlOptions:
                           heartbeat_write_s=heartbeat_write_interval(settings.stale_session_seconds),
                           download_url_ttl_s=float(settings.download_url_ttl_seconds),
                           default_max_models=settings.default_max_models_per_tenant,
-                          scratch_dir=settings.scratch_dir, quotas=_quota_options(settings))
+                          scratch_dir=settings.scratch_dir, quotas=_quota_options(settings),
+                          group_commit=settings.group_commit)
 
 
 def _quota_options(settings: ServiceSettings) -> QuotaOptions:

@@ -64,6 +64,10 @@ class ServiceSettings(BaseSettings):
         "Database connections each process keeps open once used (8 more open for a burst and close again); "
         "at least the gateway's blocking threads plus its scheduler loops, or transactions queue for a "
         "connection and bursts pay for new ones. On PostgreSQL mind max_connections across processes."))
+    group_commit: bool | None = Field(None, description=(
+        "Run the submissions' write transactions of many tenants as one transaction on one writer thread, each "
+        "in its own savepoint (one commit per group instead of one per request). Default: on for SQLite, "
+        "where one writer runs at a time anyway; off for PostgreSQL."))
     cache_dir: Path | None = Field(None, description=(
         "Where downloaded and converted base models are cached; default: <data_dir>/models."))
     device: str | None = Field(None, description="Torch device for the base models (cpu, cuda, cuda:1); "

@@ -37,7 +37,14 @@ from services.auth.log_redaction import RedactApiKeysFilter
 from services.control.api import ControlPlane
 from services.db.database import Database
 from services.hub.service import HubPushService
-from services.metrics import CONTENT_TYPE, GatewayMetrics, ProcessMetrics, RuntimeStatsCollector, render
+from services.metrics import (
+    CONTENT_TYPE,
+    GatewayMetrics,
+    GroupCommitCollector,
+    ProcessMetrics,
+    RuntimeStatsCollector,
+    render,
+)
 
 API_VERSION = "0.1.0"
 REDACTED_LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "gateway", "fastapi")
@@ -118,6 +125,9 @@ def _add_metrics_route(app: FastAPI, metrics: ProcessMetrics, control: ControlPl
     runtime_stats = getattr(control, "runtime_stats", None)  # optional `RuntimeIntrospection`
     if callable(runtime_stats):
         metrics.registry.register(RuntimeStatsCollector(runtime_stats))
+    group_commit_stats = getattr(control, "group_commit_stats", None)  # optional, like runtime_stats
+    if callable(group_commit_stats):
+        metrics.registry.register(GroupCommitCollector(group_commit_stats))
 
     async def metrics_text() -> Response:
         """This process's series (gateway, and in embedded mode the scheduler loops' and engines') plus the

@@ -24,13 +24,18 @@ answers nothing, and the SDK would retry for minutes, so the janitor stops waiti
 
 class SdkJanitor:
     """A pytest plugin: records every ServiceClient made while a test body runs and closes the open ones
-    after it. Clients a fixture makes are the fixture's to close. It holds the clients themselves: a test's
+    after it. Clients a fixture makes are the fixture's to close; those still open at the end of the run are
+    listed in the summary with the fixture that made them. It holds the clients themselves: a test's
     local client is collected when the body returns, but its session's heartbeat lives on in the SDK's
     background loop, and only the client can finish it."""
 
     def __init__(self) -> None:
         self._made: list[Any] = []
         self._recording = False
+        self._fixture: str | None = None
+        """`name (scope) for nodeid` of the fixture being set up, while one is."""
+        self._fixture_made: list[tuple[Any, str]] = []
+        """Clients fixtures made, with the fixture that made each: listed at the end if still open."""
         self._patches = pytest.MonkeyPatch()
 
     def install(self) -> None:
@@ -44,11 +49,32 @@ class SdkJanitor:
             original(client, *args, **kwargs)
             if janitor._recording:
                 janitor._made.append(client)
+            elif janitor._fixture is not None:
+                janitor._fixture_made.append((client, janitor._fixture))
 
         self._patches.setattr(tinker.ServiceClient, "__init__", noting_init)
 
     def uninstall(self) -> None:
         self._patches.undo()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any],
+                             request: pytest.FixtureRequest) -> Iterator[None]:
+        named = f"{fixturedef.argname} ({fixturedef.scope}) for {request.node.nodeid}"
+        outer, self._fixture = self._fixture, named
+        try:
+            yield
+        finally:
+            self._fixture = outer
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """Fixture-made clients still open at the end: their heartbeats outlive their servers (a CI run logged
+        "Session heartbeat failed" from one); the fixture named is the one to fix."""
+        still_open = [(client, fixture) for client, fixture in self._fixture_made if heartbeating(client)]
+        if still_open:
+            terminalreporter.section("tinker clients fixtures left open (informational)", yellow=True)
+            for _client, fixture in still_open:
+                terminalreporter.line(fixture)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
@@ -63,6 +89,13 @@ class SdkJanitor:
                 warnings.warn(f"{left} tinker client(s) of {item.nodeid} could not finish their session in "
                               f"{CLOSE_WAIT_S:.0f} s (the server was probably stopped first): close them before "
                               "the server, e.g. `with tinker.ServiceClient(...) as client:`", stacklevel=1)
+
+
+def heartbeating(client: Any) -> bool:
+    """Whether `client` still heartbeats a session: neither it nor its session's holder was closed (a client
+    never used has no session and no heartbeat)."""
+    holder = getattr(client, "_session_holder", None)
+    return not getattr(client, "_closed", True) and holder is not None and not getattr(holder, "_closed", True)
 
 
 def close_all(clients: list[Any]) -> int:

@@ -28,6 +28,7 @@ from services.control.registry import ModelRegistry, ServedModel
 from services.control.submission_bell import SubmissionBell
 from services.db.columns import utcnow
 from services.db.database import Database
+from services.db.group_commit import GroupCommitter
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
 from services.db.request_log import UNFINISHED
@@ -75,6 +76,10 @@ class ControlOptions:
     """Where adapter copies for ephemeral samplers are staged (None: the system temp dir)."""
     quotas: QuotaOptions = field(default_factory=QuotaOptions)
     """Quota defaults and timings, and the saturation thresholds of `queue_state` (see `quotas`)."""
+    group_commit: bool | None = None
+    """Submissions' write transactions share commits on one writer thread (`services.db.group_commit`).
+    None: on for SQLite, where one writer runs at a time anyway; off for PostgreSQL, whose connections
+    write in parallel."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class ControlContext:
     options: ControlOptions
     clock: Callable[[], datetime] = utcnow
     quotas: QuotaGate = field(default_factory=QuotaGate)
+    writes: GroupCommitter | None = None
+    """Where `write_tx` runs its transactions (None: on the blocking pool like `tx`)."""
     accepted: AcceptedRequests = field(default_factory=AcceptedRequests)
     """Requests accepted here whose result is not collected yet (spares their first poll a read)."""
     sample_submissions: SubmissionBell = field(init=False)
@@ -100,6 +107,13 @@ class ControlContext:
     async def tx(self, fn: Callable[[Session], _T]) -> _T:
         """Run `fn` in one transaction on a worker thread (commit on return, roll back on raise)."""
         return await asyncio.to_thread(self._run_tx, fn)
+
+    async def write_tx(self, fn: Callable[[Session], _T], *, caller: str = "") -> _T:
+        """A short write transaction of a submission: in a group commit when `writes` is set (its own
+        savepoint; its exception rolls back its writes only), else as `tx`. `caller` keeps groups fair."""
+        if self.writes is None:
+            return await self.tx(fn)
+        return await self.writes.run(fn, caller=caller)
 
     def _run_tx(self, fn: Callable[[Session], _T]) -> _T:
         with self.db.sessions.begin() as session:

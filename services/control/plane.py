@@ -64,6 +64,8 @@ from services.control.surface_views import (
 from services.control.training import TrainingOps
 from services.control.weights_copy import CopyDestination, WeightsCopyOps
 from services.db.database import Database
+from services.db.engine import is_sqlite
+from services.db.group_commit import SQLITE_BEGIN, GroupCommitter, GroupStats
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId
 from services.domain.backend import BaseModelInfo
 from services.domain.sampling import SampleWork
@@ -87,7 +89,8 @@ class ServiceControlPlane:
         registry = models if isinstance(models, ModelRegistry) else ModelRegistry(models)
         options = options or ControlOptions()
         quotas = QuotaGate(options.quotas, quota_store, default_max_models=options.default_max_models)
-        self.ctx = ControlContext(db, queue, results, notifier, store, registry, options, quotas=quotas)
+        self.ctx = ControlContext(db, queue, results, notifier, store, registry, options, quotas=quotas,
+                                  writes=_group_committer(db, options))
         samplers = samplers or SamplerDirectory()
         self._sessions = SessionOps(self.ctx, options.heartbeat_write_s)
         self._models = ModelOps(self.ctx)
@@ -103,6 +106,11 @@ class ServiceControlPlane:
         self._projects = ProjectOps(self.ctx, signer)
         self._weights = WeightsCopyOps(self.ctx, OrderedSubmitter(self.ctx))
         self._billing = BillingOps(self.ctx)
+
+    def close(self) -> None:
+        """Finish the queued group-commit transactions and stop their writer thread (at shutdown)."""
+        if self.ctx.writes is not None:
+            self.ctx.writes.close()
 
     # -- sessions ---------------------------------------------------------------------------------
     async def create_session(self, tenant: Tenant, *, tags: list[str], user_metadata: dict[str, object],
@@ -230,6 +238,10 @@ class ServiceControlPlane:
     def runtime_stats(self) -> list[RuntimeStats]:
         return self.ctx.registry.runtime_stats()
 
+    def group_commit_stats(self) -> GroupStats | None:
+        """The submissions' group committer's counters (None: group commit is off)."""
+        return self.ctx.writes.stats if self.ctx.writes is not None else None
+
     def quota_standing(self, tenant: Tenant) -> QuotaStanding:
         """The tenant's token bucket and last quota refusal, from the limiter's own store (blocking: Redis)."""
         return self.ctx.quotas.standing(tenant)
@@ -282,3 +294,11 @@ class ServiceControlPlane:
 
     async def checkpoint_storage(self, tenant: Tenant, project_id: str | None) -> list[StorageUsageView]:
         return await self._billing.checkpoint_storage(tenant, project_id)
+
+
+def _group_committer(db: Database, options: ControlOptions) -> GroupCommitter | None:
+    """The submissions' group committer, if `options.group_commit` (None: SQLite only) asks for one."""
+    sqlite = is_sqlite(db.url)
+    if not (sqlite if options.group_commit is None else options.group_commit):
+        return None
+    return GroupCommitter(db.sessions, begin_sql=SQLITE_BEGIN if sqlite else None)

@@ -121,8 +121,9 @@ class SamplingOps:
         lock = self._stripes[zlib.crc32(f"{sampler_id}|{seq_id}".encode()) % _LOCK_STRIPES]
         async with lock:
             tokens = sample_tokens(work)
-            request_id, is_new, requeue = await self._ctx.tx(
-                lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens, work.record_stability_info))
+            request_id, is_new, requeue = await self._ctx.write_tx(
+                lambda db: self._log_tx(db, tenant, sampler_id, seq_id, tokens, work.record_stability_info),
+                caller=tenant.id)
             if is_new:
                 self._ctx.accepted.add(request_id, tenant.id, "sample", keeps_result=work.record_stability_info)
             if is_new or requeue:

@@ -127,11 +127,12 @@ class OrderedSubmitter:
         if not 1 <= call.seq_id <= MAX_SEQ_ID:
             raise Invalid(f"seq_id must be in [1, {MAX_SEQ_ID}] for requests on an existing model, got "
                           f"{call.seq_id}", field="seq_id")
+        caller = call.tenant.id
         try:
-            return await self._ctx.tx(lambda db: self._decide_tx(db, call))
+            return await self._ctx.write_tx(lambda db: self._decide_tx(db, call), caller=caller)
         except IntegrityError:
             # Another process logged the same (model_id, seq_id) first: this is a retry of that request.
-            return await self._ctx.tx(lambda db: self._decide_tx(db, call))
+            return await self._ctx.write_tx(lambda db: self._decide_tx(db, call), caller=caller)
 
     def _decide_tx(self, db: Session, call: OrderedCall) -> _Decision:
         tenant_id = TenantId(call.tenant.id)

@@ -8,6 +8,7 @@ port of its own (schedulers, hub workers). Nothing here imports a web framework.
 
 from services.metrics.process import (
     CONTENT_TYPE,
+    GroupCommitCollector,
     MetricsServer,
     ProcessMetrics,
     ReplicaSample,
@@ -21,6 +22,7 @@ from services.metrics.series import GatewayMetrics, ModelSeries, RuntimeMetrics
 __all__ = [
     "CONTENT_TYPE",
     "GatewayMetrics",
+    "GroupCommitCollector",
     "MetricsServer",
     "ModelSeries",
     "ProcessMetrics",

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.control.api import RuntimeStats
+from services.db.group_commit import GroupStats
 from services.metrics.series import RuntimeMetrics
 
 # -- collectors -------------------------------------------------------------------------------------
@@ -119,6 +120,24 @@ class ResidencyCollector(Collector):
             if s.memory_bytes is not None:
                 memory.add_metric(key, s.memory_bytes)
         yield from (resident, known, spills, reloads, memory)
+
+
+class GroupCommitCollector(Collector):
+    """`carpool_db_group_commit_*`: the submissions' group commit (jobs ÷ groups is its mean group size)."""
+
+    def __init__(self, stats: Callable[[], GroupStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:  # off (PostgreSQL by default): no series rather than zeros that look like idle
+            return
+        yield CounterMetricFamily("carpool_db_group_commit_groups", "Transactions the group committer ran.",
+                                  value=stats.groups)
+        yield CounterMetricFamily("carpool_db_group_commit_jobs", "Submissions' write transactions it ran in them.",
+                                  value=stats.jobs)
+        yield CounterMetricFamily("carpool_db_group_commit_failures", "Groups whose BEGIN or COMMIT failed.",
+                                  value=stats.commit_failures)
 
 
 # -- the process's registry -------------------------------------------------------------------------

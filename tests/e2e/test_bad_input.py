@@ -31,6 +31,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.e2e.server import Server, start_server
+from tests.sdk_janitor import close_all
 
 PROTOBUF = "application/x-protobuf"
 BODY_LIMIT = 256 * 1024
@@ -160,7 +161,7 @@ def grace(server: Server, base_model: str) -> Iterator[Grace]:
     yield tenant
     tenant.stop.set()
     tenant.thread.join(timeout=60)
-    service.holder.close()
+    close_all([service])  # finishes the session: its heartbeat stops
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +498,7 @@ def test_sdk_failed_forward_backward_does_not_block_the_model(server: Server, ma
             assert out.metrics["loss:sum"] > 0
             training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=RESULT_TIMEOUT_S)
     finally:
-        service.holder.close()
+        close_all([service])  # finishes the session: its heartbeat stops
 
 
 # -- afterwards: grace never noticed, nothing was a 5xx -----------------------------------------------

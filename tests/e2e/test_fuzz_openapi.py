@@ -29,6 +29,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from tests.e2e.server import Server
 from tests.e2e.test_security import train_step
+from tests.sdk_janitor import close_all
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "5"))
 ID_KEYS = ("model_id", "session_id", "request_id", "sampling_session_id", "training_run_id", "sampler_id")
@@ -48,7 +49,7 @@ def alice(server: Server, base_model: str) -> Iterator[tuple[Any, dict[str, str]
     ids = {"model_id": model, "training_run_id": model, "session_id": model.rsplit(":train:", 1)[0],
            "tinker_path": state, "checkpoint_id": "weights/fuzz-state"}
     yield training, ids
-    service.holder.close()
+    close_all([service])  # finishes the session: its heartbeat stops
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import tinker
 
 from tests.e2e.server import Server
 from tests.e2e.test_security import api, fwdbwd_body, split_path, train_step, wait_result
+from tests.sdk_janitor import close_all
 
 PROTOBUF = "application/x-protobuf"
 HIDDEN_HEADERS = ("content-type", "retry-after")
@@ -295,7 +296,7 @@ def alice(server: Server, base_model: str) -> Iterator[tuple[str, Ids, Any]]:
     ids = Ids(session=model.rsplit(":train:", 1)[0], model=model, state_path=state, sampler_path=sampler_path,
               external_path=external, sampler=sampler, request=request, push=str(push.json()["id"]))
     yield key, ids, training
-    service.holder.close()
+    close_all([service])  # finishes the session: its heartbeat stops
 
 
 def _sample_body(sampler: str) -> dict[str, Any]:

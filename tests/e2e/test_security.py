@@ -30,6 +30,7 @@ from tinker.lib.public_interfaces.training_client import TrainingClient
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.e2e.server import Server, start_server
+from tests.sdk_janitor import close_all
 
 PROTOBUF = "application/x-protobuf"
 AUTH_CACHE_S = 5.0
@@ -219,7 +220,7 @@ def tenant_a(server: Server, base_model: str, issued_keys: list[str]) -> Iterato
         sampler_path=sampler_path, external_path=external_path, sampler_id=sampler_id,
         sample_request_id=sample, create_request_id=created,
     )
-    service.holder.close()
+    close_all([service])  # finishes the session: its heartbeat stops
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +444,7 @@ def test_other_tenants_private_checkpoints_are_not_found(server: Server, tenant_
     with pytest.raises(tinker.NotFoundError):
         tinker.RestClient(base_url=server.url, api_key=key_b).get_weights_info_by_tinker_path(
             tenant_a.state_path).result()
-    service_b.holder.close()
+    close_all([service_b])  # finishes the session: its heartbeat stops
     # Nothing of A's changed: all three checkpoints are still there, private and without expiry.
     with api(server, tenant_a.key) as alice:
         listed = {c["tinker_path"]: c for c in alice.get("/api/v1/checkpoints").json()["checkpoints"]}

@@ -83,6 +83,7 @@ class Harness:
 
     def close(self) -> None:
         self.loop.stop()
+        self.control.close()
         self.aio.close()
         self.db.dispose()
 

@@ -61,6 +61,7 @@ from tests.integration.cluster_support import (
     seed_of,
     tenant_batches,
 )
+from tests.sdk_janitor import close_all
 
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 TENANTS = int(os.environ.get("CHAOS_TENANTS", "6"))
@@ -206,7 +207,7 @@ def train_tenant(url: str, key: str, run: TenantRun, steps: int, driver: FaultDr
                 run.saves[step + 1] = run.resolve(save, f"save after step {step + 1}", started).path
         return run
     finally:
-        service.holder.close()
+        close_all([service])  # finishes the session: its heartbeat stops
 
 
 def _refused(training: Any, run: TenantRun) -> str:
@@ -240,7 +241,7 @@ def resume_one_step(url: str, key: str, run: TenantRun) -> str:
         run.resolve(optim, "resumed optim_step", started)
         return str(run.resolve(training.save_state("resumed"), "resumed save", started).path)
     finally:
-        service.holder.close()
+        close_all([service])  # finishes the session: its heartbeat stops
 
 
 def reference_at(model_dir: Path, tenants: int, steps: int, at: set[int]) -> list[dict[int, dict[str, Any]]]:

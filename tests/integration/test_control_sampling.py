@@ -207,13 +207,18 @@ def test_a_sample_reads_its_own_session_once_and_a_foreign_or_unknown_one_every_
     work = SampleWork(None, PROMPT, params=GREEDY)
     h.done(owner, h.run(h.control.sample(owner, sampler, 0, work)).request_id)  # reads the session
     transactions: list[object] = []
-    real_tx = ControlContext.tx
+    real_tx, real_write_tx = ControlContext.tx, ControlContext.write_tx
 
     async def counted(ctx: ControlContext, fn: Any) -> Any:
         transactions.append(fn)
         return await real_tx(ctx, fn)
 
+    async def counted_write(ctx: ControlContext, fn: Any, *, caller: str = "") -> Any:
+        transactions.append(fn)
+        return await real_write_tx(ctx, fn, caller=caller)
+
     monkeypatch.setattr(ControlContext, "tx", counted)
+    monkeypatch.setattr(ControlContext, "write_tx", counted_write)
     second = h.run(h.control.sample(owner, sampler, 1, work))
     assert len(transactions) == 1  # the request log alone
     for foreign in (sampler, sampler, unknown):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -81,3 +82,47 @@ def test_close_all_counts_the_closes_still_waiting_and_survives_broken_clients(
     finished = type("Finished", (), {"close": lambda self, status: done})()
     assert sdk_janitor.close_all([Hanging(), finished, Broken(), Hanging()]) == 2
     assert sdk_janitor.close_all([finished]) == 0
+
+
+class Reporter:
+    """What `pytest_terminal_summary` writes."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def section(self, title: str, **_: Any) -> None:
+        self.lines.append(f"== {title}")
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_clients_a_fixture_left_heartbeating_are_named_at_the_end_with_their_fixture() -> None:
+    janitor = SdkJanitor()
+    janitor.install()
+    fixturedef = SimpleNamespace(argname="sdk_server_client", scope="module")
+    request = SimpleNamespace(node=SimpleNamespace(nodeid="tests/e2e/test_x.py::test_y"))
+    try:
+        setup = janitor.pytest_fixture_setup(fixturedef=fixturedef, request=request)  # type: ignore[arg-type]
+        next(setup)
+        made = [tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + c * 43) for c in "efh"]
+        with pytest.raises(StopIteration):
+            setup.send(None)
+        stray = tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-" + "g" * 43)  # not a fixture's
+        # Only a client with an open session holder heartbeats (these never reached a server, so fake one).
+        left, holder_closed, unused = made
+        left._session_holder = stray._session_holder = SimpleNamespace(_closed=False)  # type: ignore[assignment]
+        holder_closed._session_holder = SimpleNamespace(_closed=True)  # type: ignore[assignment]
+        assert [sdk_janitor.heartbeating(c) for c in made] == [True, False, False]
+        reporter = Reporter()
+        janitor.pytest_terminal_summary(reporter)  # type: ignore[arg-type]
+        assert reporter.lines[1:] == ["sdk_server_client (module) for tests/e2e/test_x.py::test_y"]
+        left._session_holder._closed = True  # type: ignore[union-attr]
+        reporter = Reporter()
+        janitor.pytest_terminal_summary(reporter)  # type: ignore[arg-type]
+        assert reporter.lines == []
+    finally:
+        for client in (*made, stray):
+            client._session_holder = None  # type: ignore[assignment]
+        sdk_janitor.close_all([*made, stray])
+        janitor.uninstall()
