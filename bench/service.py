@@ -99,19 +99,23 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def loop_cpu_seconds(server: Server) -> dict[str, float]:
-    """The scheduler loop thread's CPU seconds by part, from the server's /metrics (embedded mode: in cluster
+def metrics_page(server: Server) -> str:
+    """The server's /metrics page, read once per phase boundary for every series taken from it."""
+    return httpx.get(f"{server.url}/metrics", timeout=30).text
+
+
+def loop_cpu_seconds(text: str) -> dict[str, float]:
+    """The scheduler loop thread's CPU seconds by part, from a /metrics page (embedded mode: in cluster
     mode the loops run in scheduler processes that this gateway's /metrics does not show)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
     out: dict[str, float] = {}
     for part, value in LOOP_CPU_LINE.findall(text):
         out[part] = out.get(part, 0.0) + float(value)
     return out
 
 
-def group_commit_counts(server: Server) -> dict[str, float]:
-    """The submissions' group commit so far: `jobs` and `groups` (empty when the server runs without it)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+def group_commit_counts(text: str) -> dict[str, float]:
+    """The submissions' group commit so far, from a /metrics page: `jobs` and `groups` (empty when the server
+    runs without it)."""
     return {name: float(value) for name, value in GROUP_COMMIT_LINE.findall(text)}
 
 
@@ -206,7 +210,8 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     recorder = Recorder(phase)
     log_offset = len(server.log())
     per_thread0 = thread_cpu_seconds(server.process.pid) if threads else {}
-    loop0, grouped0 = loop_cpu_seconds(server), group_commit_counts(server)
+    page0 = metrics_page(server)
+    loop0, grouped0 = loop_cpu_seconds(page0), group_commit_counts(page0)
     cpu0, started = tree_cpu_seconds(server.process.pid), time.perf_counter()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=loop, args=(recorder, deadline), daemon=True) for loop in loops]
@@ -218,8 +223,9 @@ def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float],
     if spy is not None:
         spy.wait(60)
     phase.cpu_s = tree_cpu_seconds(server.process.pid) - cpu0
-    phase.loop_cpu = {part: cpu - loop0.get(part, 0.0) for part, cpu in loop_cpu_seconds(server).items()}
-    phase.group_commit = {k: v - grouped0.get(k, 0.0) for k, v in group_commit_counts(server).items()}
+    page = metrics_page(server)
+    phase.loop_cpu = {part: cpu - loop0.get(part, 0.0) for part, cpu in loop_cpu_seconds(page).items()}
+    phase.group_commit = {k: v - grouped0.get(k, 0.0) for k, v in group_commit_counts(page).items()}
     if threads:
         names = thread_names(server.process.pid)
         for tid, cpu in thread_cpu_seconds(server.process.pid).items():

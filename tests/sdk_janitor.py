@@ -70,10 +70,10 @@ class SdkJanitor:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         """Fixture-made clients still open at the end: their heartbeats outlive their servers (a CI run logged
         "Session heartbeat failed" from one); the fixture named is the one to fix."""
-        still_open = [(client, fixture) for client, fixture in self._fixture_made if heartbeating(client)]
+        still_open = [fixture for client, fixture in self._fixture_made if heartbeating(client)]
         if still_open:
             terminalreporter.section("tinker clients fixtures left open (informational)", yellow=True)
-            for _client, fixture in still_open:
+            for fixture in still_open:
                 terminalreporter.line(fixture)
 
     @pytest.hookimpl(hookwrapper=True)

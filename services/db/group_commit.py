@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import queue
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -83,8 +82,8 @@ class GroupCommitter:
         self._begin_sql = begin_sql
         self._max_group = max_group
         self._name = name
-        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        """Guards `_waiting`, `_thread` and `_closed`; the writer waits on it for work."""
         self._waiting: OrderedDict[str, deque[_Job[Any]]] = OrderedDict()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -94,20 +93,20 @@ class GroupCommitter:
         """Run `fn(session)` in the next group; its return value or exception comes back here."""
         loop = asyncio.get_running_loop()
         job: _Job[_T] = _Job(fn, caller, loop, loop.create_future())
-        with self._lock:
+        with self._cond:
             if self._closed:
                 raise RuntimeError("the group committer is closed")
             self._waiting.setdefault(caller, deque()).append(job)
             self._start_thread()
-        self._wake.put(True)
+            self._cond.notify()
         return await job.future
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the writer thread (idempotent)."""
-        with self._lock:
+        with self._cond:
             self._closed = True
             thread = self._thread
-        self._wake.put(False)
+            self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
@@ -117,18 +116,16 @@ class GroupCommitter:
             self._thread.start()
 
     def _serve(self) -> None:
-        while True:
-            self._wake.get()
-            while group := self._next_group():
-                self._run_group(group)
-            with self._lock:
-                if self._closed and not self._waiting:
-                    return
+        while group := self._next_group():
+            self._run_group(group)
 
     def _next_group(self) -> list[_Job[Any]]:
-        """Up to `max_group` queued jobs, one per caller per sweep (callers served in turn)."""
+        """Up to `max_group` queued jobs, one per caller per sweep (callers served in turn); waits for one to
+        be queued, and returns [] once closed with nothing left."""
         group: list[_Job[Any]] = []
-        with self._lock:
+        with self._cond:
+            while not self._waiting and not self._closed:
+                self._cond.wait()
             while self._waiting and len(group) < self._max_group:
                 caller, jobs = next(iter(self._waiting.items()))
                 group.append(jobs.popleft())
