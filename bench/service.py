@@ -199,14 +199,15 @@ class Recorder:
 
 
 def run_phase(server: Server, name: str, loops: list[Callable[[Recorder, float], None]], seconds: float,
-              profile: Path | None = None, threads: bool = False) -> Phase:
+              profile: Path | None = None, threads: bool = False, profile_gil: bool = False) -> Phase:
     """Run every loop on its own thread until `seconds` pass; measure the server meanwhile (and py-spy it
     into `profile`, folded stacks, when given; its CPU per thread with `threads`)."""
     phase = Phase(name)
     spy = None if profile is None else subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.process.pid), "--format", "raw",
          "--output", str(profile), "--duration", str(max(1, int(seconds))), "--rate", "250", "--threads",
-         "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--nonblocking", *(["--gil"] if profile_gil else [])], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
     recorder = Recorder(phase)
     log_offset = len(server.log())
     per_thread0 = thread_cpu_seconds(server.process.pid) if threads else {}
@@ -304,6 +305,8 @@ def parse_args() -> argparse.Namespace:
                         help="also report the server's CPU per thread (names through py-spy dump) per phase")
     parser.add_argument("--profile", type=Path, default=None,
                         help="py-spy the server during the first round's --profile-phase; folded stacks to this file")
+    parser.add_argument("--profile-gil", action="store_true",
+                        help="profile only the thread holding the GIL: the server's Python CPU, not its waits")
     parser.add_argument("--profile-phase", default="train_multi",
                         choices=("alone", "train_multi", "train_single", "sample_multi", "sample_single"))
     args = parser.parse_args()
@@ -320,17 +323,17 @@ def run_round(server: Server, tenants: list[Tenant], args: argparse.Namespace) -
 
     phases = {
         "alone": run_phase(server, "alone", [train_loop(tenants[0], 1, t, vocab)], args.seconds / 2, spy("alone"),
-                           th),
+                           th, args.profile_gil),
         "train_multi": run_phase(server, "train_multi", [train_loop(x, 1, t, vocab) for x in tenants], args.seconds,
-                                 spy("train_multi"), th),
+                                 spy("train_multi"), th, args.profile_gil),
         "train_single": run_phase(server, "train_single", [train_loop(tenants[0], n, t, vocab)], args.seconds,
-                                  spy("train_single"), th),
+                                  spy("train_single"), th, args.profile_gil),
     }
     if not args.skip_sampling:
         phases["sample_multi"] = run_phase(server, "sample_multi", [sample_loop(x, args.samples, t) for x in tenants],
-                                           args.seconds, spy("sample_multi"), th)
+                                           args.seconds, spy("sample_multi"), th, args.profile_gil)
         phases["sample_single"] = run_phase(server, "sample_single", [sample_loop(tenants[0], n * args.samples, t)],
-                                            args.seconds, spy("sample_single"), th)
+                                            args.seconds, spy("sample_single"), th, args.profile_gil)
     return phases
 
 

@@ -31,7 +31,8 @@ from services.db.database import Database
 from services.db.group_commit import GroupCommitter
 from services.db.ids import ModelId, RequestId, SamplingSessionId, SessionId, TenantId
 from services.db.models import CheckpointRow, RequestRow, SessionRow, TrainingRunRow
-from services.db.request_log import UNFINISHED
+from services.db.prepared import PreparedStatement
+from services.db.request_log import UNFINISHED, status_in
 from services.db.runs import RunFacts
 from services.db.statements import core
 from services.domain.training import WorkError
@@ -206,9 +207,10 @@ def submission_facts(db: Session, tenant_id: TenantId, model_id: ModelId, seq_id
     every ordered submission reads them, and at 512 cluster tenants their three round trips were a third of
     the gateway's database time (py-spy)."""
     stmt = _FACTS_COUNTED if count_unfinished else _FACTS
-    row = core(db).execute(stmt, {"model_id": model_id, "tenant_id": tenant_id, "seq_id": seq_id}).one_or_none()
-    if row is None:
+    rows = stmt.execute(db, {"model_id": model_id, "tenant_id": tenant_id, "seq_id": seq_id})
+    if not rows:
         return None
+    row = rows[0]
     taken = None if row[3] is None else TakenSeq(RequestId(row[3]), row[4], row[5], row[6] is not None)
     return SubmissionFacts(RunFacts(ModelId(row[0]), SessionId(row[1]), row[2]), taken,
                            int(row[7]) if count_unfinished else None)
@@ -222,7 +224,7 @@ def _facts_statement(count_unfinished: bool) -> Select[Any]:
         # Its own alias, never correlated: the count is over all the tenant's requests, not the joined row.
         counted = aliased(RequestRow)
         columns.append(select(func.count()).select_from(counted)
-                       .where(counted.tenant_id == bindparam("tenant_id"), counted.status.in_(UNFINISHED))
+                       .where(counted.tenant_id == bindparam("tenant_id"), status_in(counted.status, UNFINISHED))
                        .correlate(None).scalar_subquery())
     # (model_id, seq_id) is unique: the outer join adds at most one row to the run's.
     taken = and_(request.model_id == run.id, request.seq_id == bindparam("seq_id"))
@@ -230,7 +232,7 @@ def _facts_statement(count_unfinished: bool) -> Select[Any]:
             .where(run.id == bindparam("model_id"), run.tenant_id == bindparam("tenant_id")))
 
 
-_FACTS, _FACTS_COUNTED = _facts_statement(False), _facts_statement(True)
+_FACTS, _FACTS_COUNTED = PreparedStatement(_facts_statement(False)), PreparedStatement(_facts_statement(True))
 
 
 def sample_request_for_seq(db: Session, sampling_id: SamplingSessionId, seq_id: int) -> tuple[RequestId, str] | None:

@@ -19,13 +19,20 @@ from sqlalchemy.orm import Session
 from services.db.columns import utcnow
 from services.db.ids import ModelId, RequestId, SamplingSessionId, TenantId, new_request_id
 from services.db.models import RequestRow, RequestStatus
-from services.db.statements import DEFAULT_PAGE_SIZE, core, execute_count, paginate
+from services.db.prepared import PreparedStatement
+from services.db.statements import DEFAULT_PAGE_SIZE, execute_count, paginate
 
 UNFINISHED: tuple[RequestStatus, ...] = ("queued", "running")
 
 _TABLE: Table = RequestRow.__table__  # type: ignore[assignment]
 _INSERTED = ("id", "tenant_id", "model_id", "sampling_session_id", "kind", "seq_id", "status", "created_at")
-_INSERT = insert(_TABLE)  # the VALUES clause follows the parameters' keys (always `_INSERTED`)
+_INSERT = PreparedStatement(insert(_TABLE), column_keys=_INSERTED)
+
+
+def status_in(column: ColumnElement[Any], statuses: tuple[RequestStatus, ...]) -> ColumnElement[bool]:
+    """`column IN (statuses)` with the statuses spelled out as literals: a prepared statement (and an
+    executemany) takes no expanding IN parameter."""
+    return or_(*(column == literal_column(f"'{status}'") for status in statuses))
 
 
 def record_request(
@@ -54,7 +61,7 @@ def record_request(
         status="queued",
         created_at=now or utcnow(),
     )
-    core(db).execute(_INSERT, {column: getattr(row, column) for column in _INSERTED})
+    _INSERT.execute(db, {column: getattr(row, column) for column in _INSERTED})
     return row
 
 
@@ -100,23 +107,26 @@ def _transition(
     """The conditional UPDATE; columns in `keep_existing` are only set where still NULL."""
     stmt = _transition_statement(allowed_from, tuple(sorted(values)), keep_existing)
     params = {"w_id": request_id, "w_tenant_id": tenant_id, **{f"v_{k}": v for k, v in values.items()}}
-    return int(core(db).execute(stmt, params).rowcount) == 1
+    return stmt.execute_count(db, params) == 1
 
 
 @functools.cache
 def _transition_statement(
     allowed_from: tuple[RequestStatus, ...], columns: tuple[str, ...], keep_existing: tuple[str, ...],
-    many: bool = False,
+) -> PreparedStatement:
+    """Built once per shape (a handful: one per transition and optional column set)."""
+    return PreparedStatement(_transition_update(allowed_from, columns, keep_existing))
+
+
+def _transition_update(
+    allowed_from: tuple[RequestStatus, ...], columns: tuple[str, ...], keep_existing: tuple[str, ...],
 ) -> Update:
-    """Built once per shape (a handful: one per transition and optional column set). `many`: for an
-    executemany, which takes no expanding IN parameter, so the allowed statuses are spelled out."""
     table = _TABLE
     values: dict[str, ColumnElement[Any]] = {}
     for name in columns:
         param = bindparam(f"v_{name}", type_=table.c[name].type)
         values[name] = func.coalesce(table.c[name], param) if name in keep_existing else param
-    allowed = (or_(*(table.c.status == literal_column(f"'{status}'") for status in allowed_from)) if many
-               else table.c.status.in_(allowed_from))
+    allowed = status_in(table.c.status, allowed_from)
     return (
         update(table)
         .where(table.c.id == bindparam("w_id"), table.c.tenant_id == bindparam("w_tenant_id"), allowed)
@@ -181,11 +191,8 @@ def mark_requests_done(db: Session, marks: Sequence[DoneMark], *, pass_id: str |
         _set_run_info(values, pass_id, started_at)
         params = {"w_id": mark.request_id, "w_tenant_id": mark.tenant_id, **{f"v_{k}": v for k, v in values.items()}}
         groups.setdefault(tuple(sorted(values)), []).append(params)
-    if not groups:
-        return
-    connection = core(db)
     for columns, rows in groups.items():
-        connection.execute(_transition_statement(UNFINISHED, columns, ("started_at",), many=True), rows)
+        _transition_statement(UNFINISHED, columns, ("started_at",)).executemany(db, rows)
 
 
 def mark_request_failed(

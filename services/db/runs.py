@@ -24,8 +24,9 @@ from services.db.ids import (
     training_run_id,
 )
 from services.db.models import SamplingSessionRow, TrainingRunRow, TrainingRunStatus
+from services.db.prepared import PreparedStatement
 from services.db.sessions import get_session
-from services.db.statements import DEFAULT_PAGE_SIZE, core, execute_count, insert_for, paginate
+from services.db.statements import DEFAULT_PAGE_SIZE, execute_count, insert_for, paginate
 
 
 def _require_session(db: Session, tenant_id: TenantId, session_id: SessionId) -> None:
@@ -137,9 +138,10 @@ def reserve_seq_id(
     params = {"w_id": model_id, "w_tenant_id": tenant_id, "v_at": now or utcnow(), "v_seq": seq_id}
     # A run row the caller loaded keeps its old counter (a Core statement on the session's connection).
     stmt = _RESERVE_NEXT if seq_id is None else _RESERVE_GIVEN
-    claimed_next = core(db).execute(stmt, params).scalar_one_or_none()
-    if claimed_next is None:
+    rows = stmt.execute(db, params)
+    if not rows:
         return None
+    claimed_next = int(rows[0][0])
     return claimed_next - 1 if seq_id is None else seq_id
 
 
@@ -155,8 +157,8 @@ def _reserve_statement(given: bool) -> Update:
     )
 
 
-_RESERVE_NEXT = _reserve_statement(given=False)
-_RESERVE_GIVEN = _reserve_statement(given=True)
+_RESERVE_NEXT = PreparedStatement(_reserve_statement(given=False))
+_RESERVE_GIVEN = PreparedStatement(_reserve_statement(given=True))
 
 
 def create_sampling_session(

@@ -3,7 +3,8 @@
 Only PostgreSQL and SQLite are supported, and both speak `INSERT ... ON CONFLICT`, which lets creates be
 idempotent and counters be upserted in one statement, without savepoints (which pysqlite handles poorly).
 Statements on the per-request path (request log, seq ids, usage) are built once with bind parameters and
-run on the session's connection (`core`), which skips the ORM layer's per-statement cost.
+run on the session's connection (`core`), which skips the ORM layer's per-statement cost; the hottest of them
+go one step further, to the driver's cursor (`services/db/prepared.py`).
 """
 
 from __future__ import annotations

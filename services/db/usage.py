@@ -12,13 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Executable, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from services.db.columns import utcnow
 from services.db.ids import TenantId
 from services.db.models import UsageRow
-from services.db.statements import core, insert_for_dialect
+from services.db.prepared import PreparedStatement
+from services.db.statements import insert_for_dialect
+
+_USAGE_KEYS = ("tenant_id", "bucket_start", "kind", "tokens", "requests")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def record_usage(
         raise ValueError(f"usage increments must be >= 0, got tokens={tokens} requests={requests}")
     params = {"tenant_id": tenant_id, "bucket_start": hour_bucket(now or utcnow()), "kind": kind,
               "tokens": tokens, "requests": requests}
-    core(db).execute(_upsert(db.get_bind().dialect.name), params)
+    _upsert(db.get_bind().dialect.name).execute(db, params)
 
 
 def record_usage_many(db: Session, increments: Mapping[tuple[TenantId, str], tuple[int, int]], *,
@@ -63,22 +66,22 @@ def record_usage_many(db: Session, increments: Mapping[tuple[TenantId, str], tup
             raise ValueError(f"usage increments must be >= 0, got tokens={tokens} requests={requests}")
         rows.append({"tenant_id": tenant_id, "bucket_start": bucket, "kind": kind, "tokens": tokens,
                      "requests": requests})
-    if rows:
-        core(db).execute(_upsert(db.get_bind().dialect.name), rows)
+    _upsert(db.get_bind().dialect.name).executemany(db, rows)
 
 
 @functools.cache
-def _upsert(dialect: str) -> Executable:
-    """The increment, built once per backend; the VALUES clause follows the parameters' keys."""
+def _upsert(dialect: str) -> PreparedStatement:
+    """The increment, built once per backend."""
     insert = insert_for_dialect(dialect, UsageRow)
     # A single upsert is atomic on both backends: concurrent increments to one bucket never lose counts.
-    return insert.on_conflict_do_update(
+    upsert = insert.on_conflict_do_update(
         index_elements=[UsageRow.tenant_id, UsageRow.bucket_start, UsageRow.kind],
         set_={
             "tokens": UsageRow.tokens + insert.excluded.tokens,
             "requests": UsageRow.requests + insert.excluded.requests,
         },
     )
+    return PreparedStatement(upsert, column_keys=_USAGE_KEYS)
 
 
 def usage_buckets(
