@@ -65,10 +65,10 @@ class Probe:
 
     def __init__(self, url: str, api_key: str) -> None:
         self.service = tinker.ServiceClient(base_url=url, api_key=api_key)
-        self.training = self.service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4)
+        self.training = self.service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4).result()
         self.model_id = self.training.model_id
         # Raw calls take this model's seq ids; the SDK's steps run on a model of their own.
-        self.sdk_training = self.service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4)
+        self.sdk_training = self.service.create_lora_training_client(base_model=TINY_MODEL_NAME, rank=4).result()
         self.session_id = self.model_id.split(":train:")[0]
         self.http = httpx.Client(base_url=url, headers={"X-API-Key": api_key}, timeout=60)
         self.seq = self._next_free_seq()
@@ -113,7 +113,7 @@ class Probe:
     def sample(self) -> None:
         """Through the SDK's sampling client of the SDK model's weights (made on first use)."""
         if self.sampler is None:
-            self.sampler = self.sdk_training.save_weights_and_get_sampling_client()
+            self.sampler = self.sdk_training.save_weights_and_get_sampling_client().result()
         out = self.sampler.sample(SAMPLE_PROMPT, SAMPLE_COUNT, SAMPLE_PARAMS).result()
         if len(out.sequences) != SAMPLE_COUNT:
             raise RuntimeError(f"sample answered {len(out.sequences)} sequences")
