@@ -117,7 +117,7 @@ class ReplicaExecutor:
         return spec
 
     def _copy(self, call: CopyCall) -> None:
-        self._once(call.request_id, lambda: self._copy_through_files(call.source, call.target))
+        self._once(call.request_id, lambda: self._copy(call.source, call.target))
         self._write_snapshot(call.target, call.snapshot)
 
     def _restore(self, call: RestoreCall) -> int:
@@ -166,6 +166,13 @@ class ReplicaExecutor:
         self._backend.save_adapter(adapter_id, Path(order.path), with_optimizer=True)
         if order.retire is not None and order.retire != order.path:
             shutil.rmtree(order.retire, ignore_errors=True)
+
+    def _copy(self, source: AdapterId, target: AdapterId) -> None:
+        copy = getattr(self._backend, "copy_adapter", None)  # the engine's, in memory
+        if callable(copy):
+            copy(source, target)
+        else:
+            self._copy_through_files(source, target)
 
     def _copy_through_files(self, source: AdapterId, target: AdapterId) -> None:
         if self._scratch_dir is not None:

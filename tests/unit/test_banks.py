@@ -199,3 +199,19 @@ def test_placing_an_adapter_copies_each_kind_in_one_call() -> None:
     with counter:
         AdapterBanks().place(wide)
     assert counter.calls <= 4  # factors, gradient, two moments: 80 copies one by one before
+
+
+def test_sampling_copies_are_banked_apart_so_trainable_rows_stay_consecutive() -> None:
+    """Tenants make a sampler copy between training steps; interleaved, the copies would take every other row
+    and every packed pass of the trainable adapters would read scattered rows."""
+    banks = AdapterBanks()
+    trainable, copies = [_state(f"t{i}", i) for i in range(4)], [_state(f"s{i}", 10 + i) for i in range(4)]
+    for t, c in zip(trainable, copies, strict=True):
+        c.sampling_only = True
+        banks.place(t)
+        banks.place(c)
+    placed = [t.placement for t in trainable]
+    assert [p.slot for p in placed if p is not None] == [0, 1, 2, 3]
+    assert len({id(p.bank) for p in placed if p is not None}) == 1
+    copy_banks = {id(c.placement.bank) for c in copies if c.placement is not None}
+    assert len(copy_banks) == 1 and copy_banks.isdisjoint({id(p.bank) for p in placed if p is not None})

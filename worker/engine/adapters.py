@@ -47,6 +47,9 @@ class AdapterState:
     """The bank row its factors live in while resident (worker/engine/banks.py); None: private tensors."""
     grad_rows: GradRows = field(default_factory=GradRows)
     """While placed, its gradient lives in the bank's gradient rows (valid or not); else in `.grad`."""
+    sampling_only: bool = False
+    """A weights-only copy a sampler reads (`Engine.copy_adapter`), never trained: banked apart from trainable
+    adapters (worker/engine/banks.py) so that theirs stay in consecutive rows."""
 
     _weights: dict[bool, tuple[tuple[object, ...], dict[str, LoraWeights]]] = field(
         default_factory=dict, repr=False, compare=False)

@@ -189,7 +189,10 @@ class AdapterBanks:
             return
         shapes = _factor_shapes(state)
         first = next(iter(state.params.values()))
-        key = (tuple(sorted(shapes.items())), first.dtype, first.device)
+        # Sampler copies in a class of their own: one per tenant, made between its training steps, they would
+        # otherwise take every other row, and a pass over scattered rows gathers its factors and scatters its
+        # gradients in every layer (and AdamW takes a tensor per adapter instead of one per run of rows).
+        key = (tuple(sorted(shapes.items())), first.dtype, first.device, state.sampling_only)
         bank = self._classes.get(key)
         if bank is None:
             bank = ClassBank(shapes, first.device, first.dtype, ordinal=len(self._classes))

@@ -273,6 +273,16 @@ class Engine:
             snap = snapshot(state, base_model=self.info.name, with_optimizer=with_optimizer)
         return write_checkpoint(snap, Path(path))
 
+    def copy_adapter(self, source: AdapterId, target: AdapterId) -> None:
+        """`target` := a weights-only copy of `source` for sampling, without the checkpoint files a save and a
+        load would write and read (the runtime's `CopyAdapter` uses this when the backend has it)."""
+        with self._lock:
+            self.apply_pending_steps()
+            snap = snapshot(self.slots.get(source), base_model=self.info.name, with_optimizer=False)
+            state = build_adapter(snap, target, self.lm.layers, self.lm.device)
+            state.sampling_only = True
+            self.slots.put(state)
+
     def load_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> LoraSpec:
         # Read and check outside the lock (the layers' shapes never change); only installing needs it.
         snap = read_checkpoint(Path(path), with_optimizer=with_optimizer, base_model=self.info.name)
