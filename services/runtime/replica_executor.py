@@ -117,7 +117,7 @@ class ReplicaExecutor:
         return spec
 
     def _copy(self, call: CopyCall) -> None:
-        self._once(call.request_id, lambda: self._copy(call.source, call.target))
+        self._once(call.request_id, lambda: self._copy_adapter(call.source, call.target))
         self._write_snapshot(call.target, call.snapshot)
 
     def _restore(self, call: RestoreCall) -> int:
@@ -167,7 +167,7 @@ class ReplicaExecutor:
         if order.retire is not None and order.retire != order.path:
             shutil.rmtree(order.retire, ignore_errors=True)
 
-    def _copy(self, source: AdapterId, target: AdapterId) -> None:
+    def _copy_adapter(self, source: AdapterId, target: AdapterId) -> None:
         copy = getattr(self._backend, "copy_adapter", None)  # the engine's, in memory
         if callable(copy):
             copy(source, target)

@@ -21,6 +21,7 @@ from services.domain.training import (
 from services.runtime.recovery import Position, RecoveringScheduler
 from services.runtime.replica_executor import ReplicaExecutor
 from services.runtime.replica_protocol import (
+    CopyCall,
     CreateCall,
     Envelope,
     OptimCall,
@@ -109,6 +110,29 @@ def test_restore_loads_the_snapshot_then_replays_the_log_in_order(tmp_path: Path
     assert backend.calls == [f"load {A} from snap", "pass 1", f"optim {A}", "pass 1"]
     executor.handle(envelope(PassCall((("r3", work()),))))  # the interrupted call, sent again
     assert backend.calls[-1] == "pass 1" and len(backend.calls) == 4
+
+
+class CopyingBackend(FakeBackend):
+    """A backend that copies adapters in memory (the engine's `copy_adapter`)."""
+
+    def copy_adapter(self, source: AdapterId, target: AdapterId) -> None:
+        self.calls.append(f"copy {source} to {target}")
+
+
+@pytest.mark.parametrize("backend_type", [FakeBackend, CopyingBackend])
+def test_a_sampler_copy_runs_once_and_its_snapshot_is_written(tmp_path: Path,
+                                                               backend_type: type[FakeBackend]) -> None:
+    backend = backend_type()
+    executor = ReplicaExecutor(backend, scratch_dir=tmp_path / "scratch")  # type: ignore[arg-type]
+    target = AdapterId("a-sampler")
+    call = CopyCall("r1", A, target, SnapshotOrder(str(tmp_path / "s1"), None))
+    assert executor.handle(envelope(call)).error is None
+    executor.handle(envelope(call))  # sent again: answered from memory
+    copied = ([f"copy {A} to {target}"] if backend_type is CopyingBackend
+              else [f"save {A}", f"load {target} from copy"])
+    # The copy ran once; its snapshot is written after each delivery of the call (an idempotent write).
+    assert backend.calls == [*copied, f"save {target}", f"save {target}"]
+    assert (tmp_path / "s1").is_dir()
 
 
 def request(seq: int, model: str = "m") -> QueuedRequest:
