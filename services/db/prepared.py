@@ -51,14 +51,12 @@ class _Compiled:
 
     def parameters(self, values: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         merged = {**self.defaults, **values} if self.defaults else values
-        try:
-            converted = [merged[name] for name in self.names]
-        except KeyError as exc:
-            raise ValueError(f"prepared statement needs parameter {exc.args[0]!r}") from None
-        for index, name in enumerate(self.names):
+        converted = []
+        for name in self.names:
+            if name not in merged:
+                raise ValueError(f"prepared statement needs parameter {name!r}")
             process = self.binds.get(name)
-            if process is not None:
-                converted[index] = process(converted[index])
+            converted.append(merged[name] if process is None else process(merged[name]))
         if self.positional:
             return tuple(converted)
         return dict(zip(self.names, converted, strict=True))

@@ -7,6 +7,8 @@ calls that the scheduler orders per model.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,3 +66,21 @@ class Backend(Protocol):
     def load_adapter(self, adapter_id: AdapterId, path: Path, *, with_optimizer: bool) -> LoraSpec:
         """Create (or replace) `adapter_id` from a checkpoint written by `save_adapter`."""
         ...
+
+
+def copy_adapter(backend: Backend, source: AdapterId, target: AdapterId, scratch_dir: Path | None = None) -> None:
+    """`target` := a weights-only copy of `source` (an ephemeral sampler's snapshot). In memory where the
+    backend has `copy_adapter` (the engine's: no files, and the copy banked apart from trainable adapters),
+    else by a save into `scratch_dir` (a temp directory there) and a load."""
+    copy = getattr(backend, "copy_adapter", None)
+    if callable(copy):
+        copy(source, target)
+        return
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="adapter-copy-", dir=scratch_dir))
+    try:
+        backend.save_adapter(source, tmp / "copy", with_optimizer=False)
+        backend.load_adapter(target, tmp / "copy", with_optimizer=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,8 +12,6 @@ successful `Save` from its `record`.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 from services.control.api import CheckpointRef, ModelCreated, OptimStepDone, SamplerRef, WeightsLoaded
 from services.db.ids import ModelId, SamplingSessionId
-from services.domain.backend import Backend
+from services.domain.backend import Backend, copy_adapter
 from services.domain.sampling import SampleWork
 from services.domain.training import AdamParams, AdapterId, ForwardBackwardWork, LoraSpec, WorkError
 from services.storage.local import claim_save, save_owner
@@ -147,22 +145,8 @@ class CopyAdapter:
     """Where the save-then-load round trip writes, when the backend has no `copy_adapter`."""
 
     def run(self, backend: Backend) -> object:
-        copy = getattr(backend, "copy_adapter", None)
-        if callable(copy):
-            copy(self.source, self.target)
-        else:
-            self._copy_through_files(backend)
+        copy_adapter(backend, self.source, self.target, self.scratch_dir)
         return SamplerRef(self.sampling_session_id)
-
-    def _copy_through_files(self, backend: Backend) -> None:
-        if self.scratch_dir is not None:
-            self.scratch_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="adapter-copy-", dir=self.scratch_dir))
-        try:
-            backend.save_adapter(self.source, tmp / "snapshot", with_optimizer=False)
-            backend.load_adapter(self.target, tmp / "snapshot", with_optimizer=False)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.domain.backend import Backend
+from services.domain.backend import Backend, copy_adapter
 from services.domain.training import AdapterId, ForwardBackwardWork
 from services.runtime.replica_protocol import (
     CopyCall,
@@ -117,7 +116,7 @@ class ReplicaExecutor:
         return spec
 
     def _copy(self, call: CopyCall) -> None:
-        self._once(call.request_id, lambda: self._copy_adapter(call.source, call.target))
+        self._once(call.request_id, lambda: copy_adapter(self._backend, call.source, call.target, self._scratch_dir))
         self._write_snapshot(call.target, call.snapshot)
 
     def _restore(self, call: RestoreCall) -> int:
@@ -167,19 +166,3 @@ class ReplicaExecutor:
         if order.retire is not None and order.retire != order.path:
             shutil.rmtree(order.retire, ignore_errors=True)
 
-    def _copy_adapter(self, source: AdapterId, target: AdapterId) -> None:
-        copy = getattr(self._backend, "copy_adapter", None)  # the engine's, in memory
-        if callable(copy):
-            copy(source, target)
-        else:
-            self._copy_through_files(source, target)
-
-    def _copy_through_files(self, source: AdapterId, target: AdapterId) -> None:
-        if self._scratch_dir is not None:
-            self._scratch_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="adapter-copy-", dir=self._scratch_dir))
-        try:
-            self._backend.save_adapter(source, tmp / "copy", with_optimizer=False)
-            self._backend.load_adapter(target, tmp / "copy", with_optimizer=False)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
