@@ -7,13 +7,14 @@ zero-dependency single-node default. Nothing here creates tables: see `services.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Dialect, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -78,7 +79,8 @@ def make_engine(url: str, *, echo: bool = False, pool_size: int = DEFAULT_POOL_S
     SQLite keeps pysqlite's default transaction handling (a transaction opens at the first write, so reads
     never hold a lock that a later write would have to upgrade). The repositories are written for that:
     each state change is one conditional UPDATE or INSERT (a read before it only produces a friendlier
-    error; unique constraints remain the backstop), and they use no savepoints.
+    error; unique constraints remain the backstop). Savepoints are the group commit's
+    (`services.db.group_commit`), sent on the driver's cursor (`_savepoints_on_the_cursor`).
     """
     parsed = make_url(normalize_database_url(url))
     pooled = {"pool_size": pool_size, "max_overflow": max_overflow}
@@ -99,6 +101,7 @@ def make_engine(url: str, *, echo: bool = False, pool_size: int = DEFAULT_POOL_S
         kwargs.update(pooled)
     engine = create_engine(parsed, echo=echo, **kwargs)
     event.listen(engine, "connect", _sqlite_on_connect)
+    _savepoints_on_the_cursor(engine.dialect)
     return engine
 
 
@@ -114,6 +117,35 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     finally:
         cursor.close()
+
+
+def _savepoints_on_the_cursor(dialect: Dialect) -> None:
+    """SAVEPOINT, RELEASE and ROLLBACK TO of this engine's connections sent as fixed SQL on the driver's cursor.
+
+    SQLAlchemy's dialect runs each through `Connection.execute` of a clause it compiles anew every time
+    (savepoint clauses are not cached): about 45 µs per `begin_nested` of the group commit, which opens one
+    per submission (session 24's microbenchmark: 0.098 → 0.054 ms per job in groups of three). The names
+    are SQLAlchemy's own (`sa_savepoint_N`), so no quoting is needed; a driver error is raised as SQLAlchemy
+    would raise it. The connection-level `savepoint` events still fire (they precede these calls)."""
+    error = dialect.loaded_dbapi.Error
+
+    def runner(template: str) -> Callable[[Connection, str], None]:
+        def run(connection: Connection, name: str) -> None:
+            sql = template % name
+            cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+            try:
+                cursor.execute(sql)
+            except error as exc:
+                raise DBAPIError.instance(sql, None, exc, error, dialect=dialect) from exc
+            finally:
+                cursor.close()
+
+        return run
+
+    # Instance attributes: this engine's dialect only, the class (and other engines) untouched.
+    dialect.do_savepoint = runner("SAVEPOINT %s")  # type: ignore[method-assign]
+    dialect.do_release_savepoint = runner("RELEASE SAVEPOINT %s")  # type: ignore[method-assign]
+    dialect.do_rollback_to_savepoint = runner("ROLLBACK TO SAVEPOINT %s")  # type: ignore[method-assign]
 
 
 def make_session_factory(engine: Engine) -> SessionFactory:

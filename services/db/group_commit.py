@@ -11,9 +11,9 @@ A caller never waits for company: the writer starts a group as soon as it is idl
 lone caller's transaction starts at once (a group of one) and its latency is one thread hop, as before.
 
 Isolation between the callers of a group:
-- each job's function runs inside `Session.begin_nested()`: an exception rolls back that job's writes
-  only (a 429 that must leave nothing logged, a unique-key race that the caller retries) and reaches that
-  job's caller alone; the others' writes commit;
+- each job's function runs inside `Session.begin_nested()` (a group of one needs none: its transaction is
+  the job's): an exception rolls back that job's writes only (a 429 that must leave nothing logged, a
+  unique-key race that the caller retries) and reaches that job's caller alone; the others' writes commit;
 - if the commit itself fails, each job that had succeeded gets the commit's error, as it would have from
   its own commit;
 - groups are filled round robin over `caller` keys, so one caller's backlog delays another caller by at
@@ -139,8 +139,13 @@ class GroupCommitter:
             with self._sessions.begin() as session:
                 if self._begin_sql is not None:
                     session.connection().exec_driver_sql(self._begin_sql)
-                for job in group:
-                    _run_job(session, job)
+                if len(group) == 1:
+                    _run_alone(session, group[0])
+                else:
+                    for job in group:
+                        _run_job(session, job)
+        except _LoneJobFailed:
+            pass  # rolled back; the job has its error
         except BaseException as exc:  # BEGIN or COMMIT failed: nothing of the group was written
             self.stats.commit_failures += 1
             for job in group:
@@ -150,6 +155,20 @@ class GroupCommitter:
         self.stats.jobs += len(group)
         self.stats.largest = max(self.stats.largest, len(group))
         _deliver(group)
+
+
+class _LoneJobFailed(Exception):
+    """Rolls a group of one back: its job failed (the job carries the error)."""
+
+
+def _run_alone(session: Session, job: _Job[Any]) -> None:
+    """A group of one needs no savepoint: the job's error rolls the whole transaction back, which is exactly
+    its own writes (a lone submission, the usual case below saturation, skips two statements)."""
+    try:
+        job.value = job.context.run(job.fn, session)
+    except Exception as exc:
+        job.error = exc
+        raise _LoneJobFailed from exc
 
 
 def _run_job(session: Session, job: _Job[Any]) -> None:

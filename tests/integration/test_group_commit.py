@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Engine, event, text
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from services.db.engine import is_sqlite, make_engine, make_session_factory
@@ -130,6 +130,51 @@ def test_a_jobs_error_rolls_back_its_own_writes_only(engine: Engine) -> None:
     assert results[3] == 12
     assert rows(engine) == [11, 12]
     assert writes.stats.commit_failures == 0
+
+
+def test_a_lone_jobs_error_rolls_back_its_writes_without_a_savepoint(engine: Engine) -> None:
+    """A group of one runs without a savepoint: its error rolls the whole transaction back, reaches its
+    caller, and is not counted as a failed commit; the next lone job commits as usual."""
+    savepoints: list[str] = []
+    event.listen(engine, "savepoint", lambda _conn, name: savepoints.append(name))
+
+    def writes_then_fails(db: Session) -> None:
+        insert(20)(db)
+        raise ValueError("refused after writing")
+
+    writes = committer(engine)
+
+    async def one_by_one() -> list[object]:
+        first = await asyncio.gather(writes.run(writes_then_fails), return_exceptions=True)
+        return [*first, await writes.run(insert(21))]
+
+    try:
+        results = asyncio.run(one_by_one())
+    finally:
+        writes.close()
+    assert isinstance(results[0], ValueError)
+    assert results[1] == 21
+    assert rows(engine) == [21]
+    assert savepoints == []
+    assert (writes.stats.groups, writes.stats.commit_failures) == (2, 0)
+
+
+def test_savepoints_go_through_the_driver_and_raise_as_sqlalchemy_does(engine: Engine) -> None:
+    """`begin_nested` works on the engine's connections (SAVEPOINT, RELEASE and ROLLBACK TO on SQLite are
+    sent on the driver's cursor), and a savepoint statement the database refuses raises SQLAlchemy's error."""
+    factory = make_session_factory(engine)
+    with factory.begin() as db:
+        if is_sqlite(engine.url):
+            db.connection().exec_driver_sql(SQLITE_BEGIN)
+        with db.begin_nested():
+            insert(30)(db)
+        with pytest.raises(ValueError), db.begin_nested():
+            insert(31)(db)
+            raise ValueError("rolled back to the savepoint")
+    assert rows(engine) == [30]
+    if is_sqlite(engine.url):
+        with engine.connect() as connection, pytest.raises(OperationalError, match="no such savepoint"):
+            connection.dialect.do_release_savepoint(connection, "sa_savepoint_missing")
 
 
 def test_a_failed_commit_reaches_every_job_that_had_succeeded(engine: Engine) -> None:
