@@ -14,9 +14,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, Dialect, make_url
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
+
+from services.db.prepared import driver_error
 
 DATABASE_URL_ENV = "CARPOOL_DATABASE_URL"
 SQLITE_FILENAME = "carpool.db"
@@ -135,8 +136,8 @@ def _savepoints_on_the_cursor(dialect: Dialect) -> None:
             cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
             try:
                 cursor.execute(sql)
-            except error as exc:
-                raise DBAPIError.instance(sql, None, exc, error, dialect=dialect) from exc
+            except error as exc:  # as the prepared statements raise it (a lost connection invalidated first)
+                raise driver_error(connection, cursor, exc, sql, None, False) from exc
             finally:
                 cursor.close()
 

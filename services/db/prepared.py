@@ -100,7 +100,7 @@ class PreparedStatement:
                 (cursor.executemany if many else cursor.execute)(sql, params)
                 fetched = cursor.fetchall() if cursor.description is not None else []
             except connection.dialect.loaded_dbapi.Error as exc:
-                raise _translated(connection, cursor, exc, sql, params, many) from exc
+                raise driver_error(connection, cursor, exc, sql, params, many) from exc
             _after(connection, cursor, sql, params, many)
             return [_processed(row, compiled.results) for row in fetched], cursor.rowcount
         finally:
@@ -156,8 +156,8 @@ def _after(connection: Connection, cursor: Any, sql: str, params: Any, many: boo
         listener(connection, cursor, sql, params, None, many)
 
 
-def _translated(connection: Connection, cursor: Any, exc: Exception, sql: str, params: Any,
-                many: bool) -> DBAPIError:
+def driver_error(connection: Connection, cursor: Any, exc: Exception, sql: str, params: Any,
+                 many: bool) -> DBAPIError:
     """The driver's error as SQLAlchemy raises it; a lost connection is invalidated first."""
     dialect = connection.dialect
     lost = dialect.is_disconnect(exc, connection.connection.dbapi_connection, cursor)
