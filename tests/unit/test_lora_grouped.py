@@ -30,7 +30,7 @@ def test_gradcheck_mixed_ranks_and_detached_factors() -> None:
                for i, scale in enumerate([2.0, 0.5, 1.5])]
     layout = _Layout(entries, tokens=12, device=x.device, strategy="grouped")
     weights = [w for _, w in entries]
-    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, layout, None, weights, *f),
+    assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, None, layout, None, weights, *f),
                                     (x, *factors))
 
 
@@ -64,3 +64,24 @@ def test_multi_lora_grouped_equals_per_segment_autograd(lengths: list[int]) -> N
     torch.testing.assert_close(ours, expected_out, atol=1e-5, rtol=1e-5)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_added_into_the_base_output() -> None:
+    """Equal segments covering every token: the node adds the products into the base output in place (one
+    GEMM with beta 1 instead of a product and an add); gradients of that output pass through unchanged."""
+    ranks, train = [2, 4, 3], [True, False, True]
+    factors = _factors(ranks, n_in=5, n_out=6, dtype=torch.float64, train=train)
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
+    entries = [(Segment(4 * i, 4 * i + 4, None), LoraWeights(factors[i], factors[len(ranks) + i], scale))
+               for i, scale in enumerate([2.0, 0.5, 1.5])]
+    layout = _Layout(entries, tokens=12, device=x.device, strategy="grouped")
+    weights = [w for _, w in entries]
+    assert layout.uniform
+
+    def added(x_: torch.Tensor, y_: torch.Tensor, *f: torch.Tensor) -> torch.Tensor:
+        return GroupedLoraDelta.apply(x_, y_.clone(), layout, None, weights, *f)
+
+    assert torch.autograd.gradcheck(added, (x, y, *factors))
+    separate = y + GroupedLoraDelta.apply(x, None, layout, None, weights, *factors).reshape(12, 6)
+    torch.testing.assert_close(added(x, y, *factors), separate)

@@ -59,28 +59,34 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         plan = self._ctx.current
         if plan is None:
-            return y
+            return self.base(x)
         x2 = x.reshape(-1, x.shape[-1])
         route = plan.routes.get(self.layer_name)
         if route is None:
             route = plan.routes[self.layer_name] = _route(plan, self.layer_name, x2, self._ctx.lora_strategy)
         assert isinstance(route, _Route)
         if not route.entries:
-            return y
+            return self.base(x)
+        # The base output of the flattened tokens: a tensor of its own (not a view), so the deltas can be
+        # added into it in place by their last GEMM (`addmm_`/`baddbmm_` with beta 1) instead of a separate
+        # pass over the (tokens, out) output (about 4 % of a small model's pass on CPU; on a GPU it is a
+        # memory-bound read of two outputs and a write per layer).
+        y = self.base(x2)
         if route.layout is not None and route.layout.grouped:
-            delta = _grouped(x2, route, self.out_features)
+            out = _grouped(x2, y, route, self.out_features)
         else:
-            delta = self._looped(x2, route.entries, plan)
-        return y + delta.to(y.dtype).reshape(y.shape)
+            out = self._looped(x2, y, route.entries, plan)
+        return out.view(*x.shape[:-1], self.out_features)
 
-    def _looped(self, x: torch.Tensor, entries: list[tuple[Segment, LoraWeights]], plan: PassPlan) -> torch.Tensor:
+    def _looped(self, x: torch.Tensor, y: torch.Tensor, entries: list[tuple[Segment, LoraWeights]],
+                plan: PassPlan) -> torch.Tensor:
+        """`y` plus every segment's delta, one segment at a time."""
         segments = plan.segments
         if len(entries) == 1 and len(segments) == 1:
             _, w = entries[0]
-            return _delta(x, w, plan.written)
+            return _delta(x, w, plan.written, into=y)
         by_start = {seg.start: w for seg, w in entries}
         # `split` (not slicing): its backward is one concatenation, where each slice's backward would
         # materialise a zero-filled gradient of the whole input.
@@ -92,28 +98,44 @@ class MultiLoraLinear(nn.Module):
                 pieces.append(x.new_zeros((seg.end - seg.start, self.out_features)))
                 continue
             pieces.append(_delta(xs, w, plan.written))
-        return torch.cat(pieces, dim=0)
+        return _plus(y, torch.cat(pieces, dim=0))
 
 
-def _delta(x: torch.Tensor, w: LoraWeights, written: set[tuple[int, int]]) -> torch.Tensor:
+def _plus(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    return y + delta.to(y.dtype)
+
+
+def _delta(x: torch.Tensor, w: LoraWeights, written: set[tuple[int, int]],
+           into: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * (x @ A.T) @ B.T; with `into` (the layer's base output), `into` plus it, added by the second
+    GEMM (in place where nothing records the graph, or through `LoraDelta`)."""
     x = x.to(w.A.dtype)
+    if into is not None and into.dtype != w.A.dtype:
+        return _plus(into, _delta(x, w, written))
     if w.grad_rows is not None and torch.is_grad_enabled() and w.A.requires_grad:
-        return LoraDelta.apply(x, w, written, w.A, w.B)
+        return LoraDelta.apply(x, into, w, written, w.A, w.B)
     # Scale the (tokens, rank) product, not the (tokens, out) one: lm_head's out is the vocabulary.
-    return ((x @ w.A.t()) * w.scale) @ w.B.t()
+    h = (x @ w.A.t()) * w.scale
+    if into is None:
+        return h @ w.B.t()
+    return torch.addmm(into, h, w.B.t()) if torch.is_grad_enabled() else into.addmm_(h, w.B.t())
 
 
 class LoraDelta(torch.autograd.Function):
-    """scale * (x @ A.T) @ B.T for one banked adapter: autograd's own four GEMMs, but the factors'
-    gradients go to the adapter's gradient rows (worker/engine/grad_rows.py) instead of `.grad`."""
+    """scale * (x @ A.T) @ B.T for one banked adapter, or `into` plus it (added in place by the second GEMM):
+    autograd's own four GEMMs, but the factors' gradients go to the adapter's gradient rows
+    (worker/engine/grad_rows.py) instead of `.grad`."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: LoraWeights,
-                written: set[tuple[int, int]], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, into: torch.Tensor | None,
+                w: LoraWeights, written: set[tuple[int, int]], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         h = (x @ a.t()) * w.scale
         ctx.save_for_backward(x, h, a, b)
         ctx.weights, ctx.written = w, written
-        return h @ b.t()
+        if into is None:
+            return h @ b.t()
+        ctx.mark_dirty(into)
+        return into.addmm_(h, b.t())
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
@@ -123,9 +145,9 @@ class LoraDelta(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_h = (grad_out @ b) * w.scale
         grad_x = grad_h @ a if needs[0] else None
-        grad_a = deliver_one((grad_h.t(), x), w, "A", ctx.written) if needs[3] else None
-        grad_b = deliver_one((grad_out.t(), h), w, "B", ctx.written) if needs[4] else None
-        return grad_x, None, None, grad_a, grad_b
+        grad_a = deliver_one((grad_h.t(), x), w, "A", ctx.written) if needs[4] else None
+        grad_b = deliver_one((grad_out.t(), h), w, "B", ctx.written) if needs[5] else None
+        return grad_x, grad_out if needs[1] else None, None, None, grad_a, grad_b
 
 
 class _Route:
@@ -150,56 +172,77 @@ def _route(plan: PassPlan, layer: str, x2: torch.Tensor, strategy: str) -> _Rout
     return _Route(entries, layout)
 
 
-def _grouped(x: torch.Tensor, route: _Route, out_features: int) -> torch.Tensor:
-    """All segments' deltas with two batched GEMMs over padded segments and zero-padded ranks."""
+def _grouped(x: torch.Tensor, y: torch.Tensor, route: _Route, out_features: int) -> torch.Tensor:
+    """`y` plus all segments' deltas, with two batched GEMMs over padded segments and zero-padded ranks."""
     layout, weights = route.layout, route.weights
     assert layout is not None
     dtype = weights[0].A.dtype
+    # Equal segments covering every token: the second GEMM adds into `y` itself (viewed per segment).
+    into = y if layout.uniform and y.dtype == dtype else None
     if layout.uniform:
-        # Equal segments covering every token: a view, no gather and no scatter.
+        # A view, no gather and no scatter.
         x_S_L_in = x.to(dtype).view(len(weights), -1, x.shape[1])
     else:
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
         x_S_L_in = x_ext[layout.gather]
     if not torch.is_grad_enabled():
-        # Inference (sampling): no graph to build, so no autograd node either; its `apply` machinery was as
-        # costly as the two GEMMs themselves on a decode step of a few rows per adapter.
-        if route.stacks is None:
-            a_S_R_in, b_S_out_R = _bank_stacks(weights, layout) or (
-                _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
-            route.stacks = a_S_R_in.transpose(1, 2), b_S_out_R.transpose(1, 2)
-        a_S_in_R, b_S_R_out = route.stacks
-        out_S_L_out = torch.bmm(torch.bmm(x_S_L_in, a_S_in_R).mul_(layout.scale), b_S_R_out)
+        out_S_L_out = _grouped_inference(x_S_L_in, into, route)
     else:
-        out_S_L_out = _grouped_with_graph(x_S_L_in, layout, _bank_stacks(weights, layout), weights)
+        out_S_L_out = _grouped_with_graph(x_S_L_in, into, layout, _bank_stacks(weights, layout), weights)
+    if into is not None:
+        return out_S_L_out  # `y`, deltas added
     if layout.uniform:
-        return out_S_L_out.reshape(-1, out_features)
-    picked = out_S_L_out.reshape(-1, out_features)[layout.valid]
+        return _plus(y, out_S_L_out.reshape(-1, out_features))
+    picked = out_S_L_out.reshape(-1, out_features)[layout.valid].to(y.dtype)
     if layout.covers_all:
-        return picked
-    return x.new_zeros((x.shape[0], out_features), dtype=dtype).index_copy(0, layout.positions, picked)
+        return y + picked
+    if not torch.is_grad_enabled():
+        return y.index_add_(0, layout.positions, picked)
+    return y.index_add(0, layout.positions, picked)  # rows outside every segment keep the base output
 
 
-def _grouped_with_graph(x_S_L_in: torch.Tensor, layout: _Layout, stacks: tuple[torch.Tensor, torch.Tensor] | None,
-                        weights: list[LoraWeights]) -> torch.Tensor:
+def _grouped_inference(x_S_L_in: torch.Tensor, into: torch.Tensor | None, route: _Route) -> torch.Tensor:
+    """The grouped product without grad (sampling): no graph to build, so no autograd node either; its `apply`
+    machinery was as costly as the two GEMMs themselves on a decode step of a few rows per adapter."""
+    layout, weights = route.layout, route.weights
+    assert layout is not None
+    if route.stacks is None:
+        a_S_R_in, b_S_out_R = _bank_stacks(weights, layout) or (
+            _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
+        route.stacks = a_S_R_in.transpose(1, 2), b_S_out_R.transpose(1, 2)
+    a_S_in_R, b_S_R_out = route.stacks
+    h_S_L_R = torch.bmm(x_S_L_in, a_S_in_R).mul_(layout.scale)
+    if into is None:
+        return torch.bmm(h_S_L_R, b_S_R_out)
+    into.view(len(weights), -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_R_out)
+    return into
+
+
+def _grouped_with_graph(x_S_L_in: torch.Tensor, into: torch.Tensor | None, layout: _Layout,
+                        stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights]) -> torch.Tensor:
     """The grouped product as one autograd node (grad is on)."""
     if stacks is not None and all(w.grad_rows is not None for w in weights):
         # Gradients go to bank rows: autograd only needs to know whether anything here trains.
         inputs = [layout.trigger()] if any(w.A.requires_grad for w in weights) else []
     else:
         inputs = [w.A for w in weights] + [w.B for w in weights]
-    return GroupedLoraDelta.apply(x_S_L_in, layout, stacks, weights, *inputs)
+    return GroupedLoraDelta.apply(x_S_L_in, into, layout, stacks, weights, *inputs)
 
 
-def _grouped_product(x_S_L_in: torch.Tensor, a_S_R_in: torch.Tensor, b_S_out_R: torch.Tensor,
-                     scale_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, out): h = scale_s * x_s @ A_s.T, out = h @ B_s.T for every segment s, as two batched GEMMs."""
+def _grouped_product(x_S_L_in: torch.Tensor, into: torch.Tensor | None, a_S_R_in: torch.Tensor,
+                     b_S_out_R: torch.Tensor, scale_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, out): h = scale_s * x_s @ A_s.T, out = h @ B_s.T for every segment s, as two batched GEMMs; with
+    `into` ((S * L, out), segments end to end), out is `into` with h @ B_s.T added in place."""
     h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S)
-    return h_S_L_R, torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+    if into is None:
+        return h_S_L_R, torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
+    into.view(x_S_L_in.shape[0], -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_out_R.transpose(1, 2))
+    return h_S_L_R, into
 
 
 class GroupedLoraDelta(torch.autograd.Function):
-    """scale_s * (x_s @ A_s.T) @ B_s.T for every segment s, as one autograd node with a hand-written backward.
+    """scale_s * (x_s @ A_s.T) @ B_s.T for every segment s, as one autograd node with a hand-written backward;
+    given `into` (the layer's base output, segments end to end), `into` with the products added in place.
 
     The same four batched GEMMs autograd would run, without its bookkeeping around them: no stack/unbind
     nodes for the factors, no separate scaling node, and the factors' gradients written by the batched GEMM
@@ -210,8 +253,8 @@ class GroupedLoraDelta(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, layout: _Layout,
-                stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights],
+    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, into: torch.Tensor | None,
+                layout: _Layout, stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights],
                 *factors: torch.Tensor) -> torch.Tensor:
         # `factors` are the autograd inputs: each adapter's leaves, or (all adapters banked, their
         # gradients going to bank rows) at most one trigger leaf that puts this node in the graph.
@@ -222,14 +265,16 @@ class GroupedLoraDelta(torch.autograd.Function):
             stacks = (_stack(list(factors[:count]), layout.rank, dim=0),
                       _stack(list(factors[count:]), layout.rank, dim=1))
         a_S_R_in, b_S_out_R = stacks
-        h_S_L_R, out_S_L_out = _grouped_product(x_S_L_in, a_S_R_in, b_S_out_R, layout.scale)
+        h_S_L_R, out = _grouped_product(x_S_L_in, into, a_S_R_in, b_S_out_R, layout.scale)
         ctx.save_for_backward(x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R)
         ctx.layout, ctx.weights = layout, weights
-        return out_S_L_out
+        if into is not None:
+            ctx.mark_dirty(into)
+        return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad_S_L_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_S_L_in, h_S_L_R, a_S_R_in, b_S_out_R = ctx.saved_tensors
         layout: _Layout = ctx.layout
         weights: list[LoraWeights] = ctx.weights
@@ -239,7 +284,7 @@ class GroupedLoraDelta(torch.autograd.Function):
             needs_a, needs_b = needs[_FACTORS : _FACTORS + count], needs[_FACTORS + count :]
         else:
             needs_a = needs_b = ctx.trains
-        grad_S_L_out = grad_S_L_out.contiguous()
+        grad_S_L_out = grad_out.contiguous().view(x_S_L_in.shape[0], x_S_L_in.shape[1], -1)
         grad_x: torch.Tensor | None = None
         grads_a: list[torch.Tensor | None] = [None] * count
         grads_b: list[torch.Tensor | None] = [None] * count
@@ -253,11 +298,13 @@ class GroupedLoraDelta(torch.autograd.Function):
             grads_b = deliver_stacked((grad_S_L_out.transpose(1, 2), h_S_L_R), weights, needs_b, layout.first_slot,
                                       "B", layout.written, layout.slots)
         factor_grads = (*grads_a, *grads_b) if ctx.trains is None else (None,) * (len(ctx.needs_input_grad) - _FACTORS)
-        return (grad_x, None, None, None, *factor_grads)
+        grad_into = grad_out if ctx.needs_input_grad[1] else None  # the added-to base output passes through
+        return (grad_x, grad_into, None, None, None, *factor_grads)
 
 
-_FACTORS = 4
-"""Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, layout, stacks, weights, *factors)."""
+_FACTORS = 5
+"""Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, into, layout, stacks, weights,
+*factors)."""
 
 
 def _bank_stacks(weights: list[LoraWeights], layout: _Layout) -> tuple[torch.Tensor, torch.Tensor] | None:
