@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.lora import GroupedLoraDelta, MultiLoraLinear, _Layout
+from worker.engine.lora import MultiLoraLinear
+from worker.engine.lora_grouped import GroupedLoraDelta, Layout
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
 
 
@@ -28,7 +29,7 @@ def test_gradcheck_mixed_ranks_and_detached_factors() -> None:
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     entries = [(Segment(4 * i, 4 * i + 4, None), LoraWeights(factors[i], factors[len(ranks) + i], scale))
                for i, scale in enumerate([2.0, 0.5, 1.5])]
-    layout = _Layout(entries, tokens=12, device=x.device, strategy="grouped")
+    layout = Layout(entries, tokens=12, device=x.device, strategy="grouped")
     weights = [w for _, w in entries]
     assert torch.autograd.gradcheck(lambda x_, *f: GroupedLoraDelta.apply(x_, None, layout, None, weights, *f),
                                     (x, *factors))
@@ -75,7 +76,7 @@ def test_gradcheck_added_into_the_base_output() -> None:
     y = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
     entries = [(Segment(4 * i, 4 * i + 4, None), LoraWeights(factors[i], factors[len(ranks) + i], scale))
                for i, scale in enumerate([2.0, 0.5, 1.5])]
-    layout = _Layout(entries, tokens=12, device=x.device, strategy="grouped")
+    layout = Layout(entries, tokens=12, device=x.device, strategy="grouped")
     weights = [w for _, w in entries]
     assert layout.uniform
 
