@@ -39,7 +39,7 @@ from deploy.settings import ClusterSettings
 from services.auth.invalidation import RedisAuthInvalidations
 from services.control.api import RuntimeStats
 from services.control.plane import ServiceControlPlane
-from services.control.quotas import RedisQuotaStore
+from services.control.quota_store import RedisQuotaStore
 from services.control.redis_state import RedisLoadLedger, RedisSamplerDirectory
 from services.control.registry import ServedModel
 from services.db.errors import ConflictError

@@ -45,7 +45,8 @@ from services.control.jwt_tokens import JwtAuth, TokenSigner
 from services.control.models import ModelOps
 from services.control.projects import ProjectOps
 from services.control.quota_standing import QuotaStanding
-from services.control.quotas import QuotaGate, QuotaStore
+from services.control.quota_store import QuotaStore
+from services.control.quotas import QuotaGate
 from services.control.registry import ModelRegistry, ServedModel
 from services.control.samplers import LoadLedger, SamplerBindings, SamplerDirectory
 from services.control.sampling import SamplingOps

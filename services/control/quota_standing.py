@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.control.quotas import QuotaStore
+    from services.control.quota_store import QuotaStore
 
 REFUSAL_MEMORY_S = 24 * 3600.0
 """How long the last refusal of a tenant is remembered for the operators' view."""

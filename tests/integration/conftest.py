@@ -20,7 +20,7 @@ from services.auth.tenants import Tenant, create_tenant_with_key
 from services.control.api import Done, Failed, FutureState, Pending
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
-from services.control.quotas import QuotaStore
+from services.control.quota_store import QuotaStore
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, database_url_for_data_dir, open_database

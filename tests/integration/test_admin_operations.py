@@ -30,7 +30,8 @@ from gateway.settings import GatewaySettings
 from services.auth.tenants import Tenant, create_tenant_with_key
 from services.control.api import CheckpointRef, QuotaExceeded, SaveOptions
 from services.control.context import ControlOptions
-from services.control.quotas import InProcessQuotaStore, QuotaGate, QuotaOptions, QuotaStore, RedisQuotaStore
+from services.control.quota_store import InProcessQuotaStore, QuotaStore, RedisQuotaStore
+from services.control.quotas import QuotaGate, QuotaOptions
 from services.db import database_url_for_data_dir
 from services.db.audit import list_audit
 from services.db.ids import TenantId

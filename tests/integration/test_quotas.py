@@ -32,7 +32,8 @@ from gateway.settings import GatewaySettings
 from services.auth.tenants import Tenant, create_tenant_with_key
 from services.control.api import Done, QuotaExceeded
 from services.control.context import ControlOptions
-from services.control.quotas import InProcessQuotaStore, QuotaGate, QuotaOptions, RedisQuotaStore
+from services.control.quota_store import InProcessQuotaStore, RedisQuotaStore
+from services.control.quotas import QuotaGate, QuotaOptions
 from services.db import database_url_for_data_dir
 from services.db.ids import ModelId, TenantId
 from services.db.request_log import list_requests

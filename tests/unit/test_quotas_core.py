@@ -12,7 +12,8 @@ import pytest
 
 from services.auth.tenants import Tenant
 from services.control.api import Invalid, QuotaExceeded
-from services.control.quotas import InProcessQuotaStore, QuotaGate, QuotaOptions, queued_seconds
+from services.control.quota_store import InProcessQuotaStore
+from services.control.quotas import QuotaGate, QuotaOptions, queued_seconds
 from services.db.ids import ModelId, TenantId
 from services.db.tenants import TenantQuotas
 

@@ -27,7 +27,8 @@ from gateway.settings import GatewaySettings
 from services.auth.tenants import create_tenant_with_key
 from services.control.context import ControlOptions
 from services.control.plane import ServiceControlPlane
-from services.control.quotas import InProcessQuotaStore, QuotaOptions
+from services.control.quota_store import InProcessQuotaStore
+from services.control.quotas import QuotaOptions
 from services.control.recording import DatabaseCompletionHook
 from services.control.registry import ServedModel
 from services.db import Database, database_url_for_data_dir, open_database
