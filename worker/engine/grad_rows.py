@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from worker.engine.passes import LoraWeights
+from worker.engine.rank_gemm import rank_product, write_product
 
 Factor = Literal["A", "B"]
 
@@ -40,7 +41,7 @@ def deliver_stacked(operands: tuple[torch.Tensor, torch.Tensor], weights: Sequen
         rows = stack[first_slot : first_slot + len(weights)]
         _write_rows(operands, rows, stack, weights, first_slot, written)
         return [None] * len(weights)
-    stacked = torch.bmm(*operands)
+    stacked = rank_product(*operands)
     if one_bank and slots is not None and _scatterable(stacked, stack, weights):
         assert stack is not None
         _scatter_rows(stacked, stack, weights, slots, written)
@@ -76,12 +77,8 @@ def deliver_one(operands: tuple[torch.Tensor, torch.Tensor], w: LoraWeights, fac
     """Gradient `mm(*operands)` of one adapter's `factor`: into its gradient row when banked, else returned."""
     stack = _grad_stack(w, factor)
     if stack is None:
-        return torch.mm(*operands)
-    row = stack[w.slot]
-    if _fresh(stack, w, w.slot, written):
-        torch.mm(*operands, out=row)
-    else:
-        row.addmm_(*operands)
+        return rank_product(*operands)
+    write_product(*operands, stack[w.slot], accumulate=not _fresh(stack, w, w.slot, written))
     written.add((id(stack), w.slot))
     return None
 
@@ -89,12 +86,10 @@ def deliver_one(operands: tuple[torch.Tensor, torch.Tensor], w: LoraWeights, fac
 def _write_rows(operands: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, stack: torch.Tensor,
                 weights: Sequence[LoraWeights], first_slot: int, written: set[tuple[int, int]]) -> None:
     fresh = [_fresh(stack, w, first_slot + i, written) for i, w in enumerate(weights)]
-    if all(fresh):
-        torch.bmm(*operands, out=rows)
-    else:
+    if not all(fresh):
         for i in (i for i, f in enumerate(fresh) if f):
             rows[i].zero_()
-        rows.baddbmm_(*operands)
+    write_product(*operands, rows, accumulate=not all(fresh))
     written.update((id(stack), first_slot + i) for i in range(len(weights)))
 
 

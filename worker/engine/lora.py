@@ -21,6 +21,7 @@ from torch import nn
 from worker.engine.grad_rows import deliver_one
 from worker.engine.lora_grouped import Route, add_grouped_deltas, layout_for, plus
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
+from worker.engine.rank_gemm import rank_product
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -104,7 +105,7 @@ def _delta(x: torch.Tensor, w: LoraWeights, written: set[tuple[int, int]],
     if w.grad_rows is not None and torch.is_grad_enabled() and w.A.requires_grad:
         return LoraDelta.apply(x, into, w, written, w.A, w.B)
     # Scale the (tokens, rank) product, not the (tokens, out) one: lm_head's out is the vocabulary.
-    h = (x @ w.A.t()) * w.scale
+    h = rank_product(x, w.A.t()) * w.scale
     if into is None:
         return h @ w.B.t()
     return torch.addmm(into, h, w.B.t()) if torch.is_grad_enabled() else into.addmm_(h, w.B.t())
@@ -118,7 +119,7 @@ class LoraDelta(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, into: torch.Tensor | None,
                 w: LoraWeights, written: set[tuple[int, int]], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        h = (x @ a.t()) * w.scale
+        h = rank_product(x, a.t()) * w.scale
         ctx.save_for_backward(x, h, a, b)
         ctx.weights, ctx.written = w, written
         if into is None:
@@ -132,7 +133,7 @@ class LoraDelta(torch.autograd.Function):
         x, h, a, b = ctx.saved_tensors
         w: LoraWeights = ctx.weights
         needs = ctx.needs_input_grad
-        grad_h = (grad_out @ b) * w.scale
+        grad_h = rank_product(grad_out, b) * w.scale
         grad_x = grad_h @ a if needs[0] else None
         grad_a = deliver_one((grad_h.t(), x), w, "A", ctx.written) if needs[4] else None
         grad_b = deliver_one((grad_out.t(), h), w, "B", ctx.written) if needs[5] else None

@@ -16,6 +16,7 @@ import torch
 
 from worker.engine.grad_rows import deliver_stacked
 from worker.engine.passes import LoraWeights, PassPlan, Segment
+from worker.engine.rank_gemm import rank_product
 
 # `auto` groups when padding wastes at most this fraction of the LoRA FLOPs. Grouping always saves
 # ops (2 GEMMs per segment become 2 batched GEMMs), so only heavy padding makes the loop worthwhile.
@@ -80,7 +81,7 @@ def _grouped_inference(x_S_L_in: torch.Tensor, into: torch.Tensor | None, route:
             _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
         route.stacks = a_S_R_in.transpose(1, 2), b_S_out_R.transpose(1, 2)
     a_S_in_R, b_S_R_out = route.stacks
-    h_S_L_R = torch.bmm(x_S_L_in, a_S_in_R).mul_(layout.scale)
+    h_S_L_R = rank_product(x_S_L_in, a_S_in_R).mul_(layout.scale)
     if into is None:
         return torch.bmm(h_S_L_R, b_S_R_out)
     into.view(len(weights), -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_R_out)
@@ -102,7 +103,7 @@ def _grouped_product(x_S_L_in: torch.Tensor, into: torch.Tensor | None, a_S_R_in
                      b_S_out_R: torch.Tensor, scale_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, out): h = scale_s * x_s @ A_s.T, out = h @ B_s.T for every segment s, as two batched GEMMs; with
     `into` ((S * L, out), segments end to end), out is `into` with h @ B_s.T added in place."""
-    h_S_L_R = torch.bmm(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S)
+    h_S_L_R = rank_product(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S)
     if into is None:
         return h_S_L_R, torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
     into.view(x_S_L_in.shape[0], -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_out_R.transpose(1, 2))
@@ -158,7 +159,7 @@ class GroupedLoraDelta(torch.autograd.Function):
         grads_a: list[torch.Tensor | None] = [None] * count
         grads_b: list[torch.Tensor | None] = [None] * count
         if ctx.needs_input_grad[0] or any(needs_a):  # both go through the gradient of the low-rank activations
-            grad_h = torch.bmm(grad_S_L_out, b_S_out_R).mul_(layout.scale)
+            grad_h = rank_product(grad_S_L_out, b_S_out_R).mul_(layout.scale)
             grad_x = torch.bmm(grad_h, a_S_R_in) if ctx.needs_input_grad[0] else None
             if any(needs_a):
                 grads_a = deliver_stacked((grad_h.transpose(1, 2), x_S_L_in), weights, needs_a, layout.first_slot,
