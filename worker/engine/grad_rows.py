@@ -86,10 +86,11 @@ def deliver_one(operands: tuple[torch.Tensor, torch.Tensor], w: LoraWeights, fac
 def _write_rows(operands: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, stack: torch.Tensor,
                 weights: Sequence[LoraWeights], first_slot: int, written: set[tuple[int, int]]) -> None:
     fresh = [_fresh(stack, w, first_slot + i, written) for i, w in enumerate(weights)]
-    if not all(fresh):
+    accumulate = not all(fresh)
+    if accumulate:  # rows written earlier in the pass add to what they hold; the fresh ones start from zero
         for i in (i for i, f in enumerate(fresh) if f):
             rows[i].zero_()
-    write_product(*operands, rows, accumulate=not all(fresh))
+    write_product(*operands, rows, accumulate=accumulate)
     written.update((id(stack), first_slot + i) for i in range(len(weights)))
 
 

@@ -37,9 +37,9 @@ class Route:
         self.weights = [w for _, w in entries]
         self.layout = layout
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
-        """Without grad, the factors stacked and transposed for the two batched GEMMs (A as (S, in, R), B as
-        (S, R, out)), kept for the plan's later calls: the decode steps of a sample batch (one plan while no
-        row leaves) find them here instead of slicing the banks again in every layer and step."""
+        """Without grad, the factors stacked for the two batched GEMMs (A as (S, R, in), B as (S, out, R)), kept
+        for the plan's later calls: the decode steps of a sample batch (one plan while no row leaves) find them
+        here instead of slicing the banks again in every layer and step."""
 
 
 def add_grouped_deltas(x: torch.Tensor, y: torch.Tensor, route: Route, out_features: int) -> torch.Tensor:
@@ -77,15 +77,9 @@ def _grouped_inference(x_S_L_in: torch.Tensor, into: torch.Tensor | None, route:
     layout, weights = route.layout, route.weights
     assert layout is not None
     if route.stacks is None:
-        a_S_R_in, b_S_out_R = _bank_stacks(weights, layout) or (
+        route.stacks = _bank_stacks(weights, layout) or (
             _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
-        route.stacks = a_S_R_in.transpose(1, 2), b_S_out_R.transpose(1, 2)
-    a_S_in_R, b_S_R_out = route.stacks
-    h_S_L_R = rank_product(x_S_L_in, a_S_in_R).mul_(layout.scale)
-    if into is None:
-        return torch.bmm(h_S_L_R, b_S_R_out)
-    into.view(len(weights), -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_R_out)
-    return into
+    return _grouped_product(x_S_L_in, into, *route.stacks, layout.scale)[1]
 
 
 def _grouped_with_graph(x_S_L_in: torch.Tensor, into: torch.Tensor | None, layout: Layout,

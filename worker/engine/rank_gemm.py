@@ -27,7 +27,7 @@ def rank_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def write_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> None:
     """`out = a @ b`, or `out += a @ b` with `accumulate`, for `out` a gradient row (or rows) of a bank."""
     if _narrow(b):
-        product = (b.mT @ a.mT).mT
+        product = rank_product(a, b)
         out.add_(product) if accumulate else out.copy_(product)
     elif accumulate:
         out.baddbmm_(a, b) if out.dim() == 3 else out.addmm_(a, b)
