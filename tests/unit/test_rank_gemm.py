@@ -8,10 +8,10 @@ import torch
 from worker.engine.rank_gemm import NARROW_BELOW, rank_product, write_product
 
 
-def _operands(batch: int | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(batch: int | None, rank: int, rows: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     lead = () if batch is None else (batch,)
-    return torch.randn(*lead, 24, 40, generator=gen), torch.randn(*lead, 40, rank, generator=gen)
+    return torch.randn(*lead, rows, 40, generator=gen), torch.randn(*lead, 40, rank, generator=gen)
 
 
 @pytest.mark.parametrize("batch", [None, 3])
@@ -24,6 +24,17 @@ def test_rank_product_is_the_product_and_narrow_ranks_come_transposed(batch: int
     # Narrow: computed as (bᵀ aᵀ)ᵀ, so the result is the transpose of a contiguous product.
     assert got.is_contiguous() is not narrow
     assert got.mT.is_contiguous() is narrow
+
+
+@pytest.mark.parametrize("batch", [None, 8])
+@pytest.mark.parametrize("rows", [1, 4, NARROW_BELOW - 1])
+def test_few_rows_keep_the_direct_product(batch: int | None, rows: int) -> None:
+    """A decode step's few rows per adapter: transposing would give an output no wider than the rank, and its
+    view would send the next GEMM (`baddbmm_` into the base output) off its fast path."""
+    a, b = _operands(batch, 8, rows=rows)
+    got = rank_product(a, b)
+    torch.testing.assert_close(got, a @ b, rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous()
 
 
 @pytest.mark.parametrize("batch", [None, 3])
@@ -42,6 +53,7 @@ def test_write_product_writes_or_adds_into_the_rows(batch: int | None, rank: int
 
 def test_gradients_flow_through_the_transposed_product() -> None:
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(2, NARROW_BELOW, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert not rank_product(a, b).is_contiguous()  # the transposed path is the one checked
     assert torch.autograd.gradcheck(rank_product, (a, b))
