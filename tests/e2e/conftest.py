@@ -92,8 +92,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop a shared server as soon as the next test's module no longer needs it."""
-    SHARED.keep_only(ORDER.needed_after(nextitem))
+    """Stop a shared server as soon as no test needs it (`SharedOrder.needed_after`)."""
+    SHARED.keep_only(ORDER.needed_after(item, nextitem))
 
 
 def pytest_sessionfinish() -> None:

@@ -101,8 +101,17 @@ class SharedOrder:
         models = frozenset(model for model, _ in self.keys.get(group, ()))
         return (0 if group[1] == "embedded" else 1, _RANK.get(models, len(_RANK)))
 
-    def needed_after(self, nextitem: pytest.Item | None) -> set[Key]:
-        return set() if nextitem is None else self.keys.get(group_of(nextitem), set())
+    def needed_after(self, item: pytest.Item, nextitem: pytest.Item | None) -> set[Key]:
+        """The servers to keep once `item` is done: the next test's group's, and this group's too while the
+        same module goes on in another mode. pytest finalizes a module's fixtures of the last mode (an SDK
+        client whose close still talks to its server) only while it sets up the next test, after this hook;
+        the server stops at the next teardown instead."""
+        if nextitem is None:
+            return set()
+        keep = set(self.keys.get(group_of(nextitem), set()))
+        if group_of(nextitem)[0] == group_of(item)[0]:
+            keep |= self.keys.get(group_of(item), set())
+        return keep
 
 
 ORDER = SharedOrder()
