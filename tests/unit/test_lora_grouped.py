@@ -86,3 +86,27 @@ def test_gradcheck_added_into_the_base_output() -> None:
     assert torch.autograd.gradcheck(added, (x, y, *factors))
     separate = y + GroupedLoraDelta.apply(x, None, layout, None, weights, *factors).reshape(12, 6)
     torch.testing.assert_close(added(x, y, *factors), separate)
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4], [3, 1, 2]])
+def test_decode_steps_without_grad_equal_the_per_segment_products(lengths: list[int]) -> None:
+    """A decode step (no grad, a few rows per segment) runs on operands made once per plan: A scaled and B laid
+    out contiguously. Every step of the plan must give each segment its own adapter's delta, added into the
+    base output in place when the segments cover it end to end."""
+    n_in, n_out, ranks = 8, 6, [2, 4, 3]
+    factors = _factors(ranks, n_in, n_out, torch.float32, [False] * 3)
+    weights = [{"lin": LoraWeights(factors[i], factors[3 + i], 2.0 / (i + 1))} for i in range(3)]
+    starts = [sum(lengths[:i]) for i in range(3)]
+    segments = [Segment(s, s + n, w) for s, n, w in zip(starts, lengths, weights, strict=True)]
+    ctx = PassContext(lora_strategy="grouped")
+    layer = MultiLoraLinear(torch.nn.Linear(n_in, n_out, bias=False).requires_grad_(False), "lin", ctx)
+    plan = PassPlan(segments)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(3):  # the steps of one plan: the second and third reuse the first's operands
+            x = torch.randn(sum(lengths), n_in, generator=gen)
+            with ctx.plan(plan):
+                ours = layer(x) - layer.base(x)
+            torch.testing.assert_close(ours, _reference(x, segments, "lin", n_out), atol=1e-5, rtol=1e-5)
+    route = plan.routes["lin"]
+    assert route.decode is not None and route.decode[1].is_contiguous()  # type: ignore[attr-defined]
