@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.engine import lora_grouped
 from worker.engine.lora import MultiLoraLinear
 from worker.engine.lora_grouped import GroupedLoraDelta, Layout
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
@@ -88,11 +89,15 @@ def test_gradcheck_added_into_the_base_output() -> None:
     torch.testing.assert_close(added(x, y, *factors), separate)
 
 
+@pytest.mark.parametrize("copy_limit", [lora_grouped.DECODE_COPY_LIMIT, 0])
 @pytest.mark.parametrize("lengths", [[4, 4, 4], [3, 1, 2]])
-def test_decode_steps_without_grad_equal_the_per_segment_products(lengths: list[int]) -> None:
+def test_decode_steps_without_grad_equal_the_per_segment_products(lengths: list[int], copy_limit: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step (no grad, a few rows per segment) runs on operands made once per plan: A scaled and B laid
-    out contiguously. Every step of the plan must give each segment its own adapter's delta, added into the
-    base output in place when the segments cover it end to end."""
+    out contiguously (B's stack within the copy limit; past it, through B's view). Every step of the plan must
+    give each segment its own adapter's delta, added into the base output in place when the segments cover it
+    end to end."""
+    monkeypatch.setattr(lora_grouped, "DECODE_COPY_LIMIT", copy_limit)
     n_in, n_out, ranks = 8, 6, [2, 4, 3]
     factors = _factors(ranks, n_in, n_out, torch.float32, [False] * 3)
     weights = [{"lin": LoraWeights(factors[i], factors[3 + i], 2.0 / (i + 1))} for i in range(3)]
@@ -109,4 +114,7 @@ def test_decode_steps_without_grad_equal_the_per_segment_products(lengths: list[
                 ours = layer(x) - layer.base(x)
             torch.testing.assert_close(ours, _reference(x, segments, "lin", n_out), atol=1e-5, rtol=1e-5)
     route = plan.routes["lin"]
-    assert route.decode is not None and route.decode[1].is_contiguous()  # type: ignore[attr-defined]
+    if copy_limit:
+        assert route.decode is not None and route.decode[1].is_contiguous()  # type: ignore[attr-defined]
+    else:
+        assert route.decode is None  # type: ignore[attr-defined]

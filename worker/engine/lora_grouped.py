@@ -22,6 +22,11 @@ from worker.engine.rank_gemm import NARROW_BELOW, rank_product
 # ops (2 GEMMs per segment become 2 batched GEMMs), so only heavy padding makes the loop worthwhile.
 _MAX_PADDING_WASTE = 0.5
 
+DECODE_COPY_LIMIT = 1 << 20
+"""Most elements of B's stack a decode step's plan copies into its own layout (4 MiB in fp32, per layer): the
+copy lives as long as the plan, so a CPU deployment of a large model with many tenants keeps reading B
+through its view instead of doubling its adapters' memory for a sample batch."""
+
 
 def plus(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """`y` plus a delta computed apart, in `y`'s dtype: where no GEMM can add into `y` itself."""
@@ -83,7 +88,8 @@ def _grouped_inference(x_S_L_in: torch.Tensor, into: torch.Tensor | None, route:
     if route.stacks is None:
         route.stacks = _bank_stacks(weights, layout) or (
             _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
-    if x_S_L_in.shape[1] >= NARROW_BELOW or x_S_L_in.device.type != "cpu":
+    if (x_S_L_in.shape[1] >= NARROW_BELOW or x_S_L_in.device.type != "cpu"
+            or route.stacks[1].numel() > DECODE_COPY_LIMIT):
         return _grouped_product(x_S_L_in, into, *route.stacks, layout.scale)[1]
     # A decode step on CPU: a few rows per segment, and the plan's next steps reuse the operands. Read through
     # its transposed view, B made `baddbmm_` 2-2.4x slower at these shapes (8 x 4 rows, out 768: 11.2 against
