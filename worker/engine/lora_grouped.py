@@ -88,22 +88,22 @@ def _grouped_inference(x_S_L_in: torch.Tensor, into: torch.Tensor | None, route:
     if route.stacks is None:
         route.stacks = _bank_stacks(weights, layout) or (
             _stack([w.A for w in weights], layout.rank, dim=0), _stack([w.B for w in weights], layout.rank, dim=1))
-    if (x_S_L_in.shape[1] >= NARROW_BELOW or x_S_L_in.device.type != "cpu"
-            or route.stacks[1].numel() > DECODE_COPY_LIMIT):
+    if not _decode_step(x_S_L_in, route.stacks[1]):
         return _grouped_product(x_S_L_in, into, *route.stacks, layout.scale)[1]
-    # A decode step on CPU: a few rows per segment, and the plan's next steps reuse the operands. Read through
-    # its transposed view, B made `baddbmm_` 2-2.4x slower at these shapes (8 x 4 rows, out 768: 11.2 against
-    # 4.8 us); one copy per plan pays for itself within a step or two, and folding the scale into A saves a
-    # pass over h in every step.
     if route.decode is None:
         a_S_R_in, b_S_out_R = route.stacks
         route.decode = a_S_R_in * layout.scale, b_S_out_R.transpose(1, 2).contiguous()
     a_scaled, b_S_R_out = route.decode
-    h_S_L_R = torch.bmm(x_S_L_in, a_scaled.transpose(1, 2))
-    if into is None:
-        return torch.bmm(h_S_L_R, b_S_R_out)
-    into.view(x_S_L_in.shape[0], -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_R_out)
-    return into
+    return _add_second_product(torch.bmm(x_S_L_in, a_scaled.transpose(1, 2)), into, b_S_R_out)
+
+
+def _decode_step(x_S_L_in: torch.Tensor, b_S_out_R: torch.Tensor) -> bool:
+    """Whether a grouped call without grad gets operands laid out once per plan (`Route.decode`): a decode step
+    on CPU, a few rows per segment, whose plan's next steps reuse them. Read through its transposed view, B made
+    `baddbmm_` 2-2.4x slower at these shapes (8 x 4 rows, out 768: 11.2 against 4.8 us); one copy per plan pays
+    for itself within a step or two, and folding the scale into A saves a pass over h in every step."""
+    return (x_S_L_in.shape[1] < NARROW_BELOW and x_S_L_in.device.type == "cpu"
+            and b_S_out_R.numel() <= DECODE_COPY_LIMIT)
 
 
 def _grouped_with_graph(x_S_L_in: torch.Tensor, into: torch.Tensor | None, layout: Layout,
@@ -122,10 +122,15 @@ def _grouped_product(x_S_L_in: torch.Tensor, into: torch.Tensor | None, a_S_R_in
     """(h, out): h = scale_s * x_s @ A_s.T, out = h @ B_s.T for every segment s, as two batched GEMMs; with
     `into` ((S * L, out), segments end to end), out is `into` with h @ B_s.T added in place."""
     h_S_L_R = rank_product(x_S_L_in, a_S_R_in.transpose(1, 2)).mul_(scale_S)
+    return h_S_L_R, _add_second_product(h_S_L_R, into, b_S_out_R.transpose(1, 2))
+
+
+def _add_second_product(h_S_L_R: torch.Tensor, into: torch.Tensor | None, b_S_R_out: torch.Tensor) -> torch.Tensor:
+    """h_s @ B_s.T for every segment; with `into` (segments end to end), added into it in place."""
     if into is None:
-        return h_S_L_R, torch.bmm(h_S_L_R, b_S_out_R.transpose(1, 2))
-    into.view(x_S_L_in.shape[0], -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_out_R.transpose(1, 2))
-    return h_S_L_R, into
+        return torch.bmm(h_S_L_R, b_S_R_out)
+    into.view(h_S_L_R.shape[0], -1, into.shape[1]).baddbmm_(h_S_L_R, b_S_R_out)
+    return into
 
 
 class GroupedLoraDelta(torch.autograd.Function):
