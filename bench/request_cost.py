@@ -52,6 +52,9 @@ from tinker import types  # noqa: E402
 from tests.e2e.server import TINY_MODEL_NAME, start_server  # noqa: E402
 
 HP = {"learning_rate": 1e-4}
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "CARPOOL_EDGE_RATE_PER_SECOND": "1000000000"}
+"""One torch thread; the per-key rate limit raised out of reach (its default, 500 requests per second, answers
+429 to back-to-back calls over one connection) while the limiter still runs, as it does for every request."""
 SLOW_KINDS = ("sdk_step", "sample")
 """Kinds that run a pass per call: measured over a fifth of `--calls` (at least 50)."""
 VOCAB = 512
@@ -165,7 +168,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="carpool-bench-request-cost-") as tmp:
         model_dir = build_dev_model(Path(tmp) / "model", layers=2, hidden=64, vocab=VOCAB, seed=0)
-        server = start_server(Path(tmp) / "data", model_dir, extra_env={"OMP_NUM_THREADS": "1"}, mode="embedded")
+        server = start_server(Path(tmp) / "data", model_dir, extra_env=SERVER_ENV, mode="embedded")
         try:
             probe = Probe(server.url, server.create_tenant("request-cost"))
             pid = server.process.pid

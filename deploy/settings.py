@@ -97,7 +97,9 @@ class ServiceSettings(BaseSettings):
         "response; 0: dropped at once). Results nobody retrieved yet stay an hour. The SDK fetches each "
         "result once, so this bounds the store's memory: results per second x this many seconds."))
     batch_window_ms: float = Field(5.0, ge=0, description=(
-        "How long the scheduler waits after work arrives for more, so tenants' requests share a pass."))
+        "How long the scheduler waits after work arrives for more, so tenants' requests share a pass or sample "
+        "batch; not for barriers alone (optim_step, saves, loads), nor while the scheduler holds for tenants "
+        "it expects back."))
     batch_window_adaptive: bool = Field(True, description=(
         "Apply the batch window only while requests of two or more tenants arrived within the last second; "
         "a tenant training alone is planned at once. False: always wait the window."))

@@ -50,8 +50,9 @@ class LoopConfig:
     poll_s: float = 0.2
     """How long an idle loop waits for work per claim; also bounds how long `stop()` takes to notice."""
     batch_window_s: float = 0.005
-    """After work arrives, wait this long for more before planning, so near-simultaneous requests of
-    several tenants share a pass. Adds at most this much latency to a request."""
+    """After work that packs (passes, samples) arrives, wait this long for more before planning, so
+    near-simultaneous requests of several tenants share a pass or sample batch. Adds at most this much
+    latency to a request. Not for barriers alone, nor while the scheduler holds (`_window_pays`)."""
     batch_window_lookback_s: float | None = 1.0
     """The window applies only while requests of at least two tenants arrived within this many seconds
     (counting the ones just claimed); a lone tenant's work is planned at once. None: always apply it."""
@@ -176,13 +177,21 @@ class SchedulerLoop:
 
     def _claim(self, wait_s: float) -> list[Delivery]:
         claimed = self._queue.claim(self.base_model, self._config.max_claim, wait_s)
-        window = self._config.batch_window_s
-        if claimed and window > 0 and self._others_active(claimed) and not self._stop.is_set():
-            time.sleep(window)
+        if claimed and self._window_pays(claimed):
+            time.sleep(self._config.batch_window_s)
             late = self._queue.claim(self.base_model, self._config.max_claim, 0.0)
             self._others_active(late)  # remember who came late, too
             claimed += late
         return claimed
+
+    def _window_pays(self, claimed: Sequence[Delivery]) -> bool:
+        """Whether waiting out the batch window may put more tenants into what `claimed` starts: only for work
+        that packs (a barrier runs alone for its model), only while another tenant is active, and not while
+        the scheduler holds for arrivals it predicts (a held step is planned again as each one comes, so the
+        window would only delay the item that the last arrival completes)."""
+        others = self._others_active(claimed)  # noted on every claim, so the lookback sees every tenant
+        return (others and self._config.batch_window_s > 0 and self._hold_until is None
+                and any(d.request.kind.packs for d in claimed) and not self._stop.is_set())
 
     def _others_active(self, claimed: Sequence[Delivery]) -> bool:
         """Note the claimed requests' tenants; whether a batch window may gather requests of others."""

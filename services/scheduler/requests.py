@@ -54,6 +54,11 @@ class RequestKind(StrEnum):
         return self in (RequestKind.FORWARD, RequestKind.FORWARD_BACKWARD)
 
     @property
+    def packs(self) -> bool:
+        """Shares its item with other tenants' requests: a pass, or a sample batch."""
+        return self.is_pass or self is RequestKind.SAMPLE
+
+    @property
     def is_barrier(self) -> bool:
         """Runs alone for its model, after every earlier request of that model has run."""
         return self in (RequestKind.OPTIM_STEP, RequestKind.SAVE, RequestKind.LOAD, RequestKind.CREATE)

@@ -4,6 +4,7 @@ barriers, failures confined to their item, markers and duplicates acked, results
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,8 @@ from services.runtime import CreateAdapter, ForwardBackward, LoopConfig, OptimSt
 from services.runtime.loop import TenantActivity
 from services.runtime.reporting import CompletionHook, LoopCpu, StoreResults
 from services.scheduler import QueuedRequest, RequestId, RequestKind
-from services.scheduler.requests import Completion, ModelId, TenantId
+from services.scheduler.requests import Completion, ModelId, StepPlan, TenantId
+from services.scheduler.scheduler import Scheduler
 
 BASE = "fake"
 
@@ -374,19 +376,25 @@ def test_batch_window_collects_late_arrivals(window: float) -> None:
         assert sum(len(p) for p in passes) == 2
 
 
-def _window_rig(monkeypatch: pytest.MonkeyPatch, *, lookback_s: float | None = 1.0) -> tuple[Rig, list[float]]:
+def _window_rig(monkeypatch: pytest.MonkeyPatch, *, lookback_s: float | None = 1.0,
+                scheduler: Scheduler | None = None) -> tuple[Rig, list[float]]:
     """A rig with a batch window whose waits are recorded instead of slept."""
     rig = Rig()
-    rig.loop = SchedulerLoop(BASE, rig.backend, rig.queue, rig.results, rig.notifier,
+    rig.loop = SchedulerLoop(BASE, rig.backend, rig.queue, rig.results, rig.notifier, scheduler=scheduler,
                              config=LoopConfig(batch_window_s=0.05, batch_window_lookback_s=lookback_s))
     waits: list[float] = []
     monkeypatch.setattr("services.runtime.loop.time.sleep", waits.append)
     return rig, waits
 
 
+def _create(rig: Rig, *tenants: str) -> None:
+    for t in tenants:
+        rig.put(t, RequestKind.CREATE, 0, CreateAdapter(ModelId(t), AdapterId(t), LoraSpec()), tenant=t)
+
+
 def test_a_lone_tenant_is_not_held_by_the_batch_window(monkeypatch: pytest.MonkeyPatch) -> None:
     rig, waits = _window_rig(monkeypatch)
-    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    _create(rig, "a")
     rig.loop.run_once()
     fb = rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
     rig.loop.run_once()
@@ -395,19 +403,52 @@ def test_a_lone_tenant_is_not_held_by_the_batch_window(monkeypatch: pytest.Monke
 
 def test_the_batch_window_applies_while_another_tenant_is_active(monkeypatch: pytest.MonkeyPatch) -> None:
     rig, waits = _window_rig(monkeypatch, lookback_s=3600.0)  # a lookback no slow machine can outlast
-    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    _create(rig, "a")
     rig.loop.run_once()
-    assert waits == []
-    rig.put("b", RequestKind.CREATE, 0, CreateAdapter(ModelId("b"), AdapterId("b"), LoraSpec()), tenant="b")
-    rig.loop.run_once()  # b arrives while a was active within the lookback: wait for company
+    _create(rig, "b")
+    rig.loop.run_once()  # a barrier: nothing to wait for, but b is now active too
     rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.run_once()  # a pass while b was active within the lookback: wait for company
+    rig.put("b", RequestKind.FORWARD_BACKWARD, 1, _fb("b"), tenant="b", tokens=4)
     rig.loop.run_once()
     assert waits == [0.05, 0.05]
 
 
+def test_barriers_alone_are_not_held_by_the_batch_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer step (or any barrier) runs alone for its model: waiting for company gains nothing."""
+    rig, waits = _window_rig(monkeypatch, lookback_s=3600.0)
+    _create(rig, "a", "b")
+    rig.loop.run_once()  # two tenants' creates: barriers only
+    rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.run_once()
+    step = rig.put("a", RequestKind.OPTIM_STEP, 2, OptimStep(AdapterId("a"), AdamParams()), tenant="a")
+    rig.loop.run_once()
+    assert waits == [0.05] and isinstance(rig.result(step), OptimStepDone)
+
+
+class _AlwaysHolding(Scheduler):
+    """Holds every step for an hour, as the real scheduler does (for less) while it expects another tenant."""
+
+    def step(self) -> StepPlan:
+        return dataclasses.replace(super().step(), hold_s=3600.0)
+
+
+def test_a_held_step_is_not_held_again_by_the_batch_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the scheduler holds for predicted arrivals, each one is planned at once: the window would only
+    delay the pass that the last of them completes."""
+    rig, waits = _window_rig(monkeypatch, lookback_s=3600.0, scheduler=_AlwaysHolding())
+    _create(rig, "a", "b")
+    rig.loop.run_once()  # barriers: no window; the step's plan holds from now on
+    rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
+    rig.loop.run_once()
+    assert waits == []
+
+
 def test_the_batch_window_always_applies_without_a_lookback(monkeypatch: pytest.MonkeyPatch) -> None:
     rig, waits = _window_rig(monkeypatch, lookback_s=None)
-    rig.put("a", RequestKind.CREATE, 0, CreateAdapter(ModelId("a"), AdapterId("a"), LoraSpec()), tenant="a")
+    _create(rig, "a")
+    rig.loop.run_once()
+    rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
     rig.loop.run_once()
     assert waits == [0.05]
 
