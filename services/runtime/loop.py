@@ -190,7 +190,7 @@ class SchedulerLoop:
         the scheduler holds for arrivals it predicts (a held step is planned again as each one comes, so the
         window would only delay the item that the last arrival completes)."""
         others = self._others_active(claimed)  # noted on every claim, so the lookback sees every tenant
-        return (others and self._config.batch_window_s > 0 and self._hold_until is None
+        return (others and self._config.batch_window_s > 0 and self._held_wait() == 0.0
                 and any(d.request.kind.packs for d in claimed) and not self._stop.is_set())
 
     def _others_active(self, claimed: Sequence[Delivery]) -> bool:

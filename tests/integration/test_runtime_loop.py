@@ -426,22 +426,28 @@ def test_barriers_alone_are_not_held_by_the_batch_window(monkeypatch: pytest.Mon
     assert waits == [0.05] and isinstance(rig.result(step), OptimStepDone)
 
 
-class _AlwaysHolding(Scheduler):
-    """Holds every step for an hour, as the real scheduler does (for less) while it expects another tenant."""
+class _Holding(Scheduler):
+    """Holds every step for `hold_s`, as the real scheduler does while it expects another tenant back."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self.hold_s = hold_s
 
     def step(self) -> StepPlan:
-        return dataclasses.replace(super().step(), hold_s=3600.0)
+        return dataclasses.replace(super().step(), hold_s=self.hold_s)
 
 
-def test_a_held_step_is_not_held_again_by_the_batch_window(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("hold_s", "expected"), [(3600.0, []), (0.0, [0.05])])
+def test_a_held_step_is_not_held_again_by_the_batch_window(monkeypatch: pytest.MonkeyPatch, hold_s: float,
+                                                           expected: list[float]) -> None:
     """While the scheduler holds for predicted arrivals, each one is planned at once: the window would only
-    delay the pass that the last of them completes."""
-    rig, waits = _window_rig(monkeypatch, lookback_s=3600.0, scheduler=_AlwaysHolding())
+    delay the pass that the last of them completes. A hold that has run out no longer counts."""
+    rig, waits = _window_rig(monkeypatch, lookback_s=3600.0, scheduler=_Holding(hold_s))
     _create(rig, "a", "b")
     rig.loop.run_once()  # barriers: no window; the step's plan holds from now on
     rig.put("a", RequestKind.FORWARD_BACKWARD, 1, _fb("a"), tenant="a", tokens=4)
     rig.loop.run_once()
-    assert waits == []
+    assert waits == expected
 
 
 def test_the_batch_window_always_applies_without_a_lookback(monkeypatch: pytest.MonkeyPatch) -> None:
