@@ -57,3 +57,15 @@ def test_gradients_flow_through_the_transposed_product() -> None:
     b = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     assert not rank_product(a, b).is_contiguous()  # the transposed path is the one checked
     assert torch.autograd.gradcheck(rank_product, (a, b))
+
+
+@pytest.mark.parametrize("rank", [8, 32])
+def test_batches_go_straight_to_bmm(rank: int) -> None:
+    """A grouped pass makes about 200 batched rank products: `@` on 3-d operands dispatches through `matmul`,
+    which expands and reshapes both operands and views the result back, four more ops per product."""
+    a, b = _operands(3, rank)
+    with torch.profiler.profile() as prof:
+        rank_product(a, b)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::bmm" in ops
+    assert not ops & {"aten::matmul", "aten::expand", "aten::_unsafe_view"}

@@ -35,7 +35,7 @@ def deliver_stacked(operands: tuple[torch.Tensor, torch.Tensor], weights: Sequen
     gradient rows of banked adapters, returned (rank padding cut off) for the others, None where a
     segment's factor does not train. `slots`: the segments' rows of their shared bank, when not consecutive."""
     stack = _grad_stack(weights[0], factor)
-    one_bank = stack is not None and all(needs) and all(_grad_stack(w, factor) is stack for w in weights)
+    one_bank = stack is not None and all(needs) and _one_bank(weights)
     if one_bank and first_slot is not None:
         assert stack is not None
         rows = stack[first_slot : first_slot + len(weights)]
@@ -48,6 +48,12 @@ def deliver_stacked(operands: tuple[torch.Tensor, torch.Tensor], weights: Sequen
         return [None] * len(weights)
     return [_deliver(stacked[i], w, factor, written) if need else None
             for i, (w, need) in enumerate(zip(weights, needs, strict=True))]
+
+
+def _one_bank(weights: Sequence[LoraWeights]) -> bool:
+    """Every segment's factors (and so their gradient rows) in the first one's bank."""
+    bank = weights[0].bank
+    return all(w.bank is bank and w.grad_rows is not None for w in weights)
 
 
 def _scatterable(stacked: torch.Tensor, stack: torch.Tensor | None, weights: Sequence[LoraWeights]) -> bool:
@@ -85,13 +91,15 @@ def deliver_one(operands: tuple[torch.Tensor, torch.Tensor], w: LoraWeights, fac
 
 def _write_rows(operands: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, stack: torch.Tensor,
                 weights: Sequence[LoraWeights], first_slot: int, written: set[tuple[int, int]]) -> None:
-    fresh = [_fresh(stack, w, first_slot + i, written) for i, w in enumerate(weights)]
+    key = id(stack)
+    fresh = [not w.grad_rows.valid and (key, first_slot + i) not in written  # type: ignore[union-attr]
+             for i, w in enumerate(weights)]  # `_fresh`, inlined: once per factor, layer and pass
     accumulate = not all(fresh)
     if accumulate:  # rows written earlier in the pass add to what they hold; the fresh ones start from zero
         for i in (i for i, f in enumerate(fresh) if f):
             rows[i].zero_()
     write_product(*operands, rows, accumulate=accumulate)
-    written.update((id(stack), first_slot + i) for i in range(len(weights)))
+    written.update((key, slot) for slot in range(first_slot, first_slot + len(weights)))
 
 
 def _deliver(grad: torch.Tensor, w: LoraWeights, factor: Factor,

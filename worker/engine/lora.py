@@ -36,6 +36,8 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.layer_name = name
+        # Read in every forward: a plain attribute, where `self.base.…` goes through `Module.__getattr__`.
+        self._out_features: int = base.out_features
         # A plain attribute, not a submodule: the context is shared by every layer of the model.
         object.__setattr__(self, "_ctx", ctx)
 
@@ -45,7 +47,7 @@ class MultiLoraLinear(nn.Module):
 
     @property
     def out_features(self) -> int:
-        return self.base.out_features
+        return self._out_features
 
     @property
     def weight(self) -> torch.Tensor:

@@ -59,15 +59,15 @@ def add_grouped_deltas(x: torch.Tensor, y: torch.Tensor, route: Route, out_featu
     # Equal segments covering every token: the second GEMM adds into `y` itself (viewed per segment).
     into = y if layout.uniform and y.dtype == dtype else None
     if layout.uniform:
-        # A view, no gather and no scatter.
-        x_S_L_in = x.to(dtype).view(len(weights), -1, x.shape[1])
+        # (tokens, in) as it is, viewed per segment where it is used: no gather and no scatter.
+        x_in = x.to(dtype)
     else:
         x_ext = torch.cat([x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)])  # row T: padding source
-        x_S_L_in = x_ext[layout.gather]
+        x_in = x_ext[layout.gather]
     if not torch.is_grad_enabled():
-        out_S_L_out = _grouped_inference(x_S_L_in, into, route)
+        out_S_L_out = _grouped_inference(_per_segment(x_in, len(weights)), into, route)
     else:
-        out_S_L_out = _grouped_with_graph(x_S_L_in, into, layout, _bank_stacks(weights, layout), weights)
+        out_S_L_out = _grouped_with_graph(x_in, into, layout, _bank_stacks(weights, layout), weights)
     if into is not None:
         return out_S_L_out  # `y`, deltas added
     if layout.uniform:
@@ -106,15 +106,16 @@ def _decode_step(x_S_L_in: torch.Tensor, b_S_out_R: torch.Tensor) -> bool:
             and b_S_out_R.numel() <= DECODE_COPY_LIMIT)
 
 
-def _grouped_with_graph(x_S_L_in: torch.Tensor, into: torch.Tensor | None, layout: Layout,
+def _grouped_with_graph(x_in: torch.Tensor, into: torch.Tensor | None, layout: Layout,
                         stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights]) -> torch.Tensor:
-    """The grouped product as one autograd node (grad is on)."""
+    """The grouped product as one autograd node (grad is on); `x_in` (S, L, in), or (tokens, in) for equal
+    segments end to end (see `GroupedLoraDelta`)."""
     if stacks is not None and all(w.grad_rows is not None for w in weights):
         # Gradients go to bank rows: autograd only needs to know whether anything here trains.
         inputs = [layout.trigger()] if any(w.A.requires_grad for w in weights) else []
     else:
         inputs = [w.A for w in weights] + [w.B for w in weights]
-    return GroupedLoraDelta.apply(x_S_L_in, into, layout, stacks, weights, *inputs)
+    return GroupedLoraDelta.apply(x_in, into, layout, stacks, weights, *inputs)
 
 
 def _grouped_product(x_S_L_in: torch.Tensor, into: torch.Tensor | None, a_S_R_in: torch.Tensor,
@@ -143,10 +144,15 @@ class GroupedLoraDelta(torch.autograd.Function):
     theirs back through autograd). With many tenants and small segments those per-op costs were as large as
     the GEMMs themselves. Gradients are computed only for the inputs that need them (a forward-only
     tenant's factors are detached).
+
+    The input is (S, L, in), or the layer's (tokens, in) itself when the segments are equal and cover it, viewed
+    per segment inside. Then its gradient goes back as a tensor of its own (the batched GEMM writes it through a
+    per-segment view), where a view of a (S, L, in) gradient would make autograd allocate the sum with the base
+    GEMM's gradient of the same input instead of adding into it in place.
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x_S_L_in: torch.Tensor, into: torch.Tensor | None,
+    def forward(ctx: torch.autograd.function.FunctionCtx, x_in: torch.Tensor, into: torch.Tensor | None,
                 layout: Layout, stacks: tuple[torch.Tensor, torch.Tensor] | None, weights: list[LoraWeights],
                 *factors: torch.Tensor) -> torch.Tensor:
         # `factors` are the autograd inputs: each adapter's leaves, or (all adapters banked, their
@@ -154,6 +160,8 @@ class GroupedLoraDelta(torch.autograd.Function):
         # `stacks`, when given, hold the factors already stacked (rows of the adapters' bank).
         count = len(weights)
         ctx.trains = None if len(factors) == 2 * count else tuple(w.A.requires_grad for w in weights)
+        ctx.x_shape = x_in.shape
+        x_S_L_in = _per_segment(x_in, count)
         if stacks is None:
             stacks = (_stack(list(factors[:count]), layout.rank, dim=0),
                       _stack(list(factors[count:]), layout.rank, dim=1))
@@ -183,7 +191,10 @@ class GroupedLoraDelta(torch.autograd.Function):
         grads_b: list[torch.Tensor | None] = [None] * count
         if ctx.needs_input_grad[0] or any(needs_a):  # both go through the gradient of the low-rank activations
             grad_h = rank_product(grad_S_L_out, b_S_out_R).mul_(layout.scale)
-            grad_x = torch.bmm(grad_h, a_S_R_in) if ctx.needs_input_grad[0] else None
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_h.new_empty(ctx.x_shape)
+                torch.bmm(grad_h, a_S_R_in, out=grad_x.view(x_S_L_in.shape))
             if any(needs_a):
                 grads_a = deliver_stacked((grad_h.transpose(1, 2), x_S_L_in), weights, needs_a, layout.first_slot,
                                           "A", layout.written, layout.slots)
@@ -198,6 +209,11 @@ class GroupedLoraDelta(torch.autograd.Function):
 _FACTORS = 5
 """Position of the first factor among `GroupedLoraDelta.apply`'s inputs (x, into, layout, stacks, weights,
 *factors)."""
+
+
+def _per_segment(x: torch.Tensor, count: int) -> torch.Tensor:
+    """(S, L, in) as it is; (tokens, in) of `count` equal segments end to end viewed as (S, L, in)."""
+    return x if x.dim() == 3 else x.view(count, -1, x.shape[1])
 
 
 def _bank_stacks(weights: list[LoraWeights], layout: Layout) -> tuple[torch.Tensor, torch.Tensor] | None:
