@@ -13,10 +13,7 @@ quotas of `services.control.quotas` are the cluster-wide ones. `body_limit` pick
 only the bulk-data routes take `max_body_bytes`, the rest `max_small_body_bytes`.
 
 `DecodePool` runs CPU-heavy body decoding on a fixed number of threads of its own, so a burst of large
-bodies queues there instead of occupying the default executor that database transactions use. A small
-uncompressed body (`decodes_inline`: a training step of a few sequences) is decoded on the event loop instead:
-the hop to a decode thread and back cost the server more CPU than the decoding (0.1–0.25 ms per
-`forward_backward`, docs/performance.md).
+bodies queues there instead of occupying the default executor that database transactions use.
 """
 
 from __future__ import annotations
@@ -183,29 +180,14 @@ def caller_of(scope: Scope) -> Caller:
     return Caller(f"key:{digest}", address, digest)
 
 
-INLINE_DECODE_BYTES = 16 * 1024
-"""Bodies up to this size, sent uncompressed, are decoded on the event loop itself (`DecodePool.run`)."""
-
-
 class DecodePool:
     """A fixed number of threads for decoding request bodies (see the module docstring)."""
 
     def __init__(self, threads: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="carpool-decode")
 
-    async def run(self, fn: Callable[[], _T], *, inline: bool = False) -> _T:
-        """`fn()` on a decode thread, or right here with `inline` (see `decodes_inline`)."""
-        if inline:
-            return fn()
+    async def run(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def decodes_inline(body: bytes, content_encoding: str | None) -> bool:
-    """Whether a body is small enough to decode on the event loop: a training step of a few sequences (the
-    SDK's usual `forward_backward`, hundreds of bytes to a few KiB) decodes in less time than the hop to a
-    decode thread and back costs the loop and the thread. Compressed bodies always go to the pool: their
-    decoded size is not known until they are inflated."""
-    return not content_encoding and len(body) <= INLINE_DECODE_BYTES

@@ -16,7 +16,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.deps import Control, CurrentTenant, RawBody, SettingsDep, documents_body, parse_body
-from gateway.edge_limits import decodes_inline
 from gateway.errors import SeqIdGuard
 from gateway.rendering import wire_json
 from gateway.settings import GatewaySettings
@@ -107,8 +106,7 @@ async def _submit_forward_backward(
                     request.headers.get("content-encoding"), legacy_forward=legacy_forward,
                     max_body_bytes=settings.max_body_bytes, limits=limits)
     async with SeqIdGuard(control, tenant) as guard:
-        parsed, densified = await pool.run(partial(_parse_then_densify_if_owned, parse, control, tenant),
-                                           inline=decodes_inline(body, request.headers.get("content-encoding")))
+        parsed, densified = await pool.run(partial(_parse_then_densify_if_owned, parse, control, tenant))
         guard.track(parsed.model_id, parsed.seq_id)
         if densified is None:
             if parsed.model_id:
