@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.domain.training import AdapterId, LoraSpec
+from worker.engine import banks as banks_module
 from worker.engine.adapters import AdapterState
 from worker.engine.banks import AdapterBanks, order_key
 from worker.engine.lora import MultiLoraLinear
@@ -234,3 +235,20 @@ def test_runs_of_rows_are_made_once_per_storage() -> None:
     assert again is not first
     layer = bank.layers["lin"]
     assert again[0].data_ptr() == layer.exp_avg_A.data_ptr() != first[0].data_ptr()
+
+
+def test_only_the_most_recent_runs_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With tenants coming and going the runs of rows differ from step to step: the cache must not grow with them.
+    monkeypatch.setattr(banks_module, "_KEPT_RUNS", 2)
+    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(3)]
+    for s in states:
+        banks.place(s)
+    placement = states[0].placement
+    assert placement is not None
+    bank = placement.bank
+    first = bank.runs("", 0, 2)
+    bank.runs("", 1, 3)
+    assert bank.runs("", 0, 2) is first  # used again: now the most recent
+    bank.runs("", 0, 3)  # a third: the least recently used, (1, 3), goes
+    assert bank.runs("", 0, 2) is first
+    assert len(bank._runs) == 2

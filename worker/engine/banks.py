@@ -17,6 +17,7 @@ of its factors back before its row is reused.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from worker.engine.adapters import AdapterState
 
 _INITIAL_ROWS = 2
+_KEPT_RUNS = 32
+"""Runs of rows (`ClassBank.runs`) a bank keeps made: four kinds for each of a few groups of consecutive tenants."""
 
 
 KINDS = ("", "grad", "exp_avg", "exp_avg_sq")
@@ -71,9 +74,10 @@ class ClassBank:
         self._views: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
         """`rows()` per (kind, slot), made once per storage: every placement of an adapter (each restore of a
         spilled one) views its four kinds of rows, ~120 views, a fifth of a swap when built per call."""
-        self._runs: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._runs: OrderedDict[tuple[str, int, int], list[torch.Tensor]] = OrderedDict()
         """`runs()` per (kind, start, stop), made once per storage: a step of many tenants in consecutive rows
-        asks for the same runs every time (four kinds of ~60 views each)."""
+        asks for the same runs every time (four kinds of ~60 views each). The most recent `_KEPT_RUNS` only:
+        with many tenants coming and going the runs of rows differ from step to step."""
 
     def _empty(self, shape: tuple[int, ...], rows: int = _INITIAL_ROWS) -> torch.Tensor:
         return torch.zeros((rows, *shape), device=self._device, dtype=self._dtype)
@@ -94,10 +98,14 @@ class ClassBank:
     def runs(self, kind: str, start: int, stop: int) -> list[torch.Tensor]:
         """Every layer's `kind` stacks cut to rows [start, stop): several adapters' tensors as one each. Shared,
         made once per storage, like `rows()`."""
-        views = self._runs.get((kind, start, stop))
+        key = (kind, start, stop)
+        views = self._runs.get(key)
         if views is None:
-            views = self._runs[(kind, start, stop)] = [layer.rows(kind, f)[start:stop]
-                                                       for layer in self.layers.values() for f in "AB"]
+            views = self._runs[key] = [layer.rows(kind, f)[start:stop] for layer in self.layers.values() for f in "AB"]
+            if len(self._runs) > _KEPT_RUNS:
+                self._runs.popitem(last=False)
+        else:
+            self._runs.move_to_end(key)
         return views
 
     def take(self, state: AdapterState) -> int:
