@@ -180,6 +180,12 @@ class GatewaySettings(BaseSettings):
     sample_max_concurrent_requests: int = Field(
         default=2000, ge=1, description="Concurrency cap of each SDK SamplingClient."
     )
+    sample_batch_poller: bool = Field(
+        default=True,
+        description="Advertise the SDK's batched sampling poller (`sample_use_retrieve_futures`): one held "
+        "`retrieve_futures` per sampling client instead of a long-poll per outstanding sample, for about two "
+        "more requests and three database looks per sample (docs/performance.md, session 31).",
+    )
 
     # -- client/dynamic_config flags ----------------------------------------------------------------
     dynamic_config_refresh_seconds: int = Field(

@@ -59,7 +59,7 @@ def client_config_response(settings: GatewaySettings) -> ClientConfigResponse:
         fwdbwd_max_chunk_bytes_count=settings.fwdbwd_max_chunk_bytes_count,
         sample_max_concurrent_requests=settings.sample_max_concurrent_requests,
         # Served (gateway/routes/futures.py, sampling.py, custom_losses.py): the SDK uses them when told so.
-        sample_use_retrieve_futures=True,
+        sample_use_retrieve_futures=settings.sample_batch_poller,
         sample_join_sampling_session=True,
         custom_loss_server_side=True,
         pjwt_auth_enabled=settings.jwt_auth_enabled,

@@ -471,3 +471,11 @@ def test_openapi_documents_hand_parsed_bodies(client: TestClient) -> None:
     assert ref.rsplit("/", 1)[1] in schema["components"]["schemas"]
     json.dumps(schema)  # serializable
     assert client.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("poller", [True, False])
+def test_the_batched_sampling_poller_is_advertised_as_configured(poller: bool) -> None:
+    with make_client(sample_batch_poller=poller) as client:
+        config = client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers=AUTH).json()
+    assert config["sample_use_retrieve_futures"] is poller
+    assert config["sample_join_sampling_session"] is True
