@@ -13,7 +13,7 @@ import torch
 from services.domain.training import AdapterId, LoraSpec
 from worker.engine import banks as banks_module
 from worker.engine.adapters import AdapterState
-from worker.engine.banks import AdapterBanks, order_key
+from worker.engine.banks import AdapterBanks, ClassBank, order_key
 from worker.engine.lora import MultiLoraLinear
 from worker.engine.passes import LoraWeights, PassContext, PassPlan, Segment
 
@@ -68,15 +68,21 @@ def test_growing_keeps_every_adapter_and_its_updates() -> None:
     assert banks.rows_in_use() == 9
 
 
-def test_row_views_are_made_once_per_storage() -> None:
-    # Every placement (each restore of a spilled adapter) views the adapter's rows of all four kinds:
-    # made anew each time, that was a fifth of a swap. They are made once per bank storage instead.
-    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(2)]
+def _placed(count: int) -> tuple[AdapterBanks, list[AdapterState], ClassBank]:
+    """`count` adapters placed in order (rows 0, 1, …) and the bank they share."""
+    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(count)]
     for s in states:
         banks.place(s)
     placement = states[0].placement
     assert placement is not None
-    bank, first = placement.bank, placement.bank.rows("", 0)
+    return banks, states, placement.bank
+
+
+def test_row_views_are_made_once_per_storage() -> None:
+    # Every placement (each restore of a spilled adapter) views the adapter's rows of all four kinds:
+    # made anew each time, that was a fifth of a swap. They are made once per bank storage instead.
+    banks, states, bank = _placed(2)
+    first = bank.rows("", 0)
     assert bank.rows("", 0) is first and bank.rows("grad", 1) is bank.rows("grad", 1)
     banks.place(_state("a2", 2))  # a third row: the bank grows into new storage
     again = dict(bank.rows("", 0))
@@ -221,12 +227,7 @@ def test_sampling_copies_are_banked_apart_so_trainable_rows_stay_consecutive() -
 def test_runs_of_rows_are_made_once_per_storage() -> None:
     # An optimizer step of many tenants in consecutive rows asks for the same runs (four kinds of one view per
     # factor) every time; made anew, that was about half a millisecond of each eight-tenant step.
-    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(2)]
-    for s in states:
-        banks.place(s)
-    placement = states[0].placement
-    assert placement is not None
-    bank = placement.bank
+    banks, _, bank = _placed(2)
     first = bank.runs("exp_avg", 0, 2)
     assert bank.runs("exp_avg", 0, 2) is first and bank.runs("grad", 0, 2) is not first
     assert [tuple(t.shape) for t in first] == [(2, 3, N_IN), (2, N_OUT, 3)]
@@ -240,12 +241,7 @@ def test_runs_of_rows_are_made_once_per_storage() -> None:
 def test_only_the_most_recent_runs_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     # With tenants coming and going the runs of rows differ from step to step: the cache must not grow with them.
     monkeypatch.setattr(banks_module, "_KEPT_RUNS", 2)
-    banks, states = AdapterBanks(), [_state(f"a{i}", i) for i in range(3)]
-    for s in states:
-        banks.place(s)
-    placement = states[0].placement
-    assert placement is not None
-    bank = placement.bank
+    banks, _, bank = _placed(3)
     first = bank.runs("", 0, 2)
     bank.runs("", 1, 3)
     assert bank.runs("", 0, 2) is first  # used again: now the most recent

@@ -91,15 +91,13 @@ def deliver_one(operands: tuple[torch.Tensor, torch.Tensor], w: LoraWeights, fac
 
 def _write_rows(operands: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, stack: torch.Tensor,
                 weights: Sequence[LoraWeights], first_slot: int, written: set[tuple[int, int]]) -> None:
-    key = id(stack)
-    fresh = [not w.grad_rows.valid and (key, first_slot + i) not in written  # type: ignore[union-attr]
-             for i, w in enumerate(weights)]  # `_fresh`, inlined: once per factor, layer and pass
+    fresh = [_fresh(stack, w, first_slot + i, written) for i, w in enumerate(weights)]
     accumulate = not all(fresh)
     if accumulate:  # rows written earlier in the pass add to what they hold; the fresh ones start from zero
         for i in (i for i, f in enumerate(fresh) if f):
             rows[i].zero_()
     write_product(*operands, rows, accumulate=accumulate)
-    written.update((key, slot) for slot in range(first_slot, first_slot + len(weights)))
+    written.update((id(stack), slot) for slot in range(first_slot, first_slot + len(weights)))
 
 
 def _deliver(grad: torch.Tensor, w: LoraWeights, factor: Factor,
