@@ -24,6 +24,8 @@ The last line is machine-readable (ratios single / multi for CPU per token; high
 costs nothing), one line:
 RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_multi=X
        train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
+Its ratios are the medians over the rounds; the line before it gives each round's own ratios, whose spread shows
+how far this box's speed drifted between phases (the one tenant's pass has moved by 6-12 % between rounds).
 
     .venv/bin/python bench/service.py [--quick] [--tenants 8] [--seconds 20] [--rounds 2] [--mode embedded]
                                       [--threads] [--profile FILE]
@@ -379,9 +381,12 @@ def report(rounds: list[dict[str, Phase]], args: argparse.Namespace) -> None:
     def cpu(single: str, multi: str) -> Callable[[dict[str, Phase]], float]:
         return lambda r: r[single].cpu_ms_per_token / r[multi].cpu_ms_per_token if multi in r else float("nan")
 
-    train_cpu = ratio(rounds, cpu("train_single", "train_multi"))
-    sample_cpu = ratio(rounds, cpu("sample_single", "sample_multi"))
-    tok_s = ratio(rounds, lambda r: r["train_multi"].tok_s / r["train_single"].tok_s)
+    metrics = {"train CPU": cpu("train_single", "train_multi"), "sample CPU": cpu("sample_single", "sample_multi"),
+               "tokens/s": lambda r: r["train_multi"].tok_s / r["train_single"].tok_s}
+    # The rounds' own ratios: the box's speed drifts between phases, and the spread says how far to trust the medians.
+    print("ratios by round: " + "; ".join(
+        f"{name} {', '.join(f'{metric(r):.3f}' for r in rounds)}" for name, metric in metrics.items()))
+    train_cpu, sample_cpu, tok_s = (ratio(rounds, metric) for metric in metrics.values())
     alone = ratio(rounds, lambda r: r["alone"].rtt("fb", 0.5))
     print(f"RESULT train_cpu_per_token_single_vs_multi={train_cpu:.3f} "
           f"sample_cpu_per_token_single_vs_multi={sample_cpu:.3f} train_tok_s_multi_vs_single={tok_s:.3f} "
