@@ -94,7 +94,7 @@ def world(server: Server, base_model: str) -> Iterator[World]:
     external = training.save_weights_external("walk-export").result().path
     sampler = service.create_sampling_client(model_path=sampler_path).result()
     loss = service.create_custom_loss(neg_ll, {"logprobs": 1, "weights": 1}).result()
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=key)  # the SDK's way since create_rest_client's deprecation
     admin = AdminClient(base_url=server.url, api_key=key)
     yield World(server, base_model, key, service, training, sampler, rest, admin, data, state, sampler_path,
                 external, loss)
