@@ -7,6 +7,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -61,7 +62,18 @@ def test_dockerignore_keeps_only_what_the_images_copy() -> None:
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert ignore[0].startswith("#") and "**" in ignore
     kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    assert kept == {"pyproject.toml", "README.md", "services", "gateway", "worker", "deploy", "migrations"}
+    assert kept == {"pyproject.toml", "README.md", "LICENSE", "services", "gateway", "worker", "deploy", "migrations"}
+
+
+@pytest.mark.parametrize("image", ["gateway", "worker"])
+def test_the_images_copy_the_files_the_package_build_reads(image: str) -> None:
+    """`pip install /src` builds the package from pyproject.toml, which names its readme and license files: a
+    file missing from the build stage fails the image's build."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", project["readme"], *project["license-files"]}
+    dockerfile = (ROOT / "deploy" / "docker" / f"Dockerfile.{image}").read_text()
+    copies = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY pyproject.toml")]
+    assert len(copies) == 1 and needed <= set(copies[0])
 
 
 @pytest.mark.parametrize(("argv", "url"), [
