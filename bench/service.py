@@ -25,7 +25,7 @@ costs nothing), one line:
 RESULT train_cpu_per_token_single_vs_multi=X sample_cpu_per_token_single_vs_multi=X
        train_tok_s_multi_vs_single=X alone_rtt_p50_ms=X
 Its ratios are the medians over the rounds; the line before it gives each round's own ratios, whose spread shows
-how far this box's speed drifted between phases (the one tenant's pass has moved by 6-12 % between rounds).
+how far this box's speed drifted between phases (either phase's pass has moved by 6-18 % between rounds).
 
     .venv/bin/python bench/service.py [--quick] [--tenants 8] [--seconds 20] [--rounds 2] [--mode embedded]
                                       [--threads] [--profile FILE]

@@ -65,14 +65,14 @@ def test_dockerignore_keeps_only_what_the_images_copy() -> None:
     assert kept == {"pyproject.toml", "README.md", "LICENSE", "services", "gateway", "worker", "deploy", "migrations"}
 
 
-@pytest.mark.parametrize("image", ["gateway", "worker"])
-def test_the_images_copy_the_files_the_package_build_reads(image: str) -> None:
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_images_copy_the_files_the_package_build_reads(dockerfile: Path) -> None:
     """`pip install /src` builds the package from pyproject.toml, which names its readme and license files: a
     file missing from the build stage fails the image's build."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     needed = {"pyproject.toml", project["readme"], *project["license-files"]}
-    dockerfile = (ROOT / "deploy" / "docker" / f"Dockerfile.{image}").read_text()
-    copies = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY pyproject.toml")]
+    lines = dockerfile.read_text().splitlines()
+    copies = [line.split()[1:-1] for line in lines if line.startswith("COPY pyproject.toml")]
     assert len(copies) == 1 and needed <= set(copies[0])
 
 
