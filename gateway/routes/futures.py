@@ -36,6 +36,10 @@ router = APIRouter(prefix="/api/v1", tags=["futures"])
 LONG_POLL_JITTER = 0.2
 """Fraction of `long_poll_seconds` a hold may be shortened by, at random: hundreds of long-polls opened at
 once (a client starting many requests) would otherwise all time out and re-poll in one burst, every cycle."""
+_JITTER = random.SystemRandom()
+"""The jitter's source: the OS's, which keeps no state here. Drawing from the process-wide generator would move
+the sequence of whatever else shares the process and seeded it (an embedding application, a test run; the
+suite's property tests warn when it moves under them)."""
 
 PAUSED_REASONS = {
     "paused_capacity": "the server is at capacity; the request is queued",
@@ -59,7 +63,7 @@ async def retrieve_future(
 ) -> Response:
     """Long-poll one future (answers `TryAgainResponse`, `RequestFailedResponse`, or the result)."""
     poll = parse_body(FutureRetrieveRequest, body)
-    hold = settings.long_poll_seconds * (1.0 - LONG_POLL_JITTER * random.random())
+    hold = settings.long_poll_seconds * (1.0 - LONG_POLL_JITTER * _JITTER.random())
     with request.app.state.metrics.long_polls.track_inprogress():
         state = await control.retrieve(tenant, RequestId(poll.request_id), hold)
     if isinstance(state, Pending):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,6 +124,23 @@ def fwdbwd_proto(loss_fn: str = "cross_entropy", seq_id: int = 1) -> bytes:
 
 
 PROTO = {"Content-Type": "application/x-protobuf", **AUTH}
+
+
+# -- long-poll jitter --------------------------------------------------------------------------------
+
+def test_the_long_poll_jitter_leaves_the_process_wide_generator_alone(client: TestClient,
+                                                                     control: RecordingControl) -> None:
+    """Each hold is cut short by a random 0-20 %, drawn without moving `random`'s shared sequence (which a
+    seeded application or test in the same process relies on)."""
+    random.seed(1234)
+    before = random.getstate()
+    for _ in range(20):
+        assert client.post("/api/v1/retrieve_future", json={"request_id": "r-1"}, headers=AUTH).status_code == 404
+    assert random.getstate() == before
+    holds = [args[1] for args, _ in control.called("retrieve")]
+    long_poll = GatewaySettings().long_poll_seconds
+    assert len(holds) == 20 and all(0.8 * long_poll <= h <= long_poll for h in holds)
+    assert len(set(holds)) > 1  # jittered, not one fixed hold
 
 
 # -- auth ------------------------------------------------------------------------------------------
