@@ -14,6 +14,7 @@ per-example timing would be a timed assertion on a shared 2-core box; a hang is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from services.domain.custom_loss import CustomLossInput, CustomLossProgram
 from services.domain.training import AdapterId
 from services.domain.validation import InvalidWork, ModelLimits, validate_forward_backward
 from services.wire.arrays import TensorLimits
@@ -52,12 +54,18 @@ TARGETS = st.one_of(st.integers(-3, 600), st.sampled_from([-(2**63), 2**31, 2**6
 """Target tokens travel as int64 tensors: any int64."""
 
 
+STAND_IN_LOSS = CustomLossProgram("0", "fuzz", (CustomLossInput("logprobs", 1),), ())
+"""What the control plane resolves a `custom` request's `loss_id` to before validating it like any other
+(services/control/custom_losses.py): here every loss id names this program, which needs no inputs."""
+
+
 def decode(body: bytes, content_type: str, encoding: str | None = None) -> None:
     """The gateway's decode path; returns only if the body is acceptable for the model."""
     parsed = parse_forward_backward_body(body, content_type, encoding, max_body_bytes=MAX_BODY, limits=LIMITS)
     work = forward_backward_work(parsed.densify(), AdapterId("fuzz-adapter"))
-    if work.loss_fn != "custom":  # a custom loss is resolved against the session first (control plane)
-        validate_forward_backward(work, MODEL)
+    if work.loss_fn == "custom":
+        work = dataclasses.replace(work, custom_loss=STAND_IN_LOSS)
+    validate_forward_backward(work, MODEL)
 
 
 def refused_cleanly(body: bytes, content_type: str, encoding: str | None = None) -> str | None:
@@ -191,6 +199,23 @@ def _one_datum_request() -> types.ForwardBackwardRequest:
     return types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
         model_id="sess:train:0", seq_id=1)
+
+
+def _custom_loss_request(tokens: list[int]) -> types.ForwardBackwardRequest:
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": np.array([2, 3, 4], dtype=np.int64),
+                                        "weights": np.ones(3, dtype=np.float32)})
+    fbi = types.ForwardBackwardInput(data=[datum], loss_fn="custom", loss_fn_config={"loss_id": "0"})
+    return types.ForwardBackwardRequest(forward_backward_input=fbi, model_id="sess:train:0", seq_id=1)
+
+
+@pytest.mark.parametrize("token", [-1, MODEL.vocab_size, 2**31 - 1])
+def test_a_custom_loss_request_is_checked_like_any_other(token: int) -> None:
+    """Once its loss is resolved, a custom-loss request meets the same token checks (a generated case once
+    found the harness skipping them for `custom`, while the control plane does not)."""
+    assert refused_cleanly(proto_bytes(_custom_loss_request([1, 2, 3])), CONTENT_TYPE_PROTOBUF) is None
+    field = refused_cleanly(proto_bytes(_custom_loss_request([1, token, 3])), CONTENT_TYPE_PROTOBUF)
+    assert field is not None and field.startswith("data[0].model_input")
 
 
 def test_a_well_formed_body_is_accepted() -> None:
