@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,14 +130,28 @@ PROTO = {"Content-Type": "application/x-protobuf", **AUTH}
 # -- long-poll jitter --------------------------------------------------------------------------------
 
 def test_the_long_poll_jitter_leaves_the_process_wide_generator_alone(client: TestClient,
-                                                                     control: RecordingControl) -> None:
+                                                                     control: RecordingControl,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each hold is cut short by a random 0-20 %, drawn without moving `random`'s shared sequence (which a
-    seeded application or test in the same process relies on)."""
-    random.seed(1234)
-    before = random.getstate()
+    seeded application or test in the same process relies on). The process-wide functions are spied on, not
+    `random.getstate()` compared: another thread of the run (an SDK client's retry) may draw meanwhile."""
+    drawn_by_gateway: list[str] = []
+
+    def spy(name: str) -> Any:
+        original = getattr(random, name)
+
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("gateway."):
+                drawn_by_gateway.append(f"{caller} called random.{name}")
+            return original(*args, **kwargs)
+        return draw
+
+    for name in ("random", "uniform", "randint", "choice", "getrandbits"):
+        monkeypatch.setattr(random, name, spy(name))
     for _ in range(20):
         assert client.post("/api/v1/retrieve_future", json={"request_id": "r-1"}, headers=AUTH).status_code == 404
-    assert random.getstate() == before
+    assert drawn_by_gateway == []
     holds = [args[1] for args, _ in control.called("retrieve")]
     long_poll = GatewaySettings().long_poll_seconds
     assert len(holds) == 20 and all(0.8 * long_poll <= h <= long_poll for h in holds)
