@@ -192,29 +192,25 @@ def test_a_declared_length_far_beyond_the_body_is_refused_naming_the_body() -> N
     assert refused_cleanly(b"\x0a" + bytes(varint) + b"abcd", CONTENT_TYPE_PROTOBUF) == "body"
 
 
-def _one_datum_request() -> types.ForwardBackwardRequest:
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+def _one_datum_request(tokens: tuple[int, int, int] = (1, 2, 3), loss_fn: str = "cross_entropy",
+                       loss_fn_config: dict[str, Any] | None = None) -> types.ForwardBackwardRequest:
+    datum = types.Datum(model_input=types.ModelInput.from_ints(list(tokens)),
                         loss_fn_inputs={"target_tokens": np.array([2, 3, 4], dtype=np.int64),
                                         "weights": np.ones(3, dtype=np.float32)})
-    return types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id="sess:train:0", seq_id=1)
-
-
-def _custom_loss_request(tokens: list[int]) -> types.ForwardBackwardRequest:
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                        loss_fn_inputs={"target_tokens": np.array([2, 3, 4], dtype=np.int64),
-                                        "weights": np.ones(3, dtype=np.float32)})
-    fbi = types.ForwardBackwardInput(data=[datum], loss_fn="custom", loss_fn_config={"loss_id": "0"})
+    fbi = types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
     return types.ForwardBackwardRequest(forward_backward_input=fbi, model_id="sess:train:0", seq_id=1)
+
+
+def _custom_loss_request(tokens: tuple[int, int, int]) -> types.ForwardBackwardRequest:
+    return _one_datum_request(tokens, "custom", {"loss_id": "0"})
 
 
 @pytest.mark.parametrize("token", [-1, MODEL.vocab_size, 2**31 - 1])
 def test_a_custom_loss_request_is_checked_like_any_other(token: int) -> None:
     """Once its loss is resolved, a custom-loss request meets the same token checks (a generated case once
     found the harness skipping them for `custom`, while the control plane does not)."""
-    assert refused_cleanly(proto_bytes(_custom_loss_request([1, 2, 3])), CONTENT_TYPE_PROTOBUF) is None
-    field = refused_cleanly(proto_bytes(_custom_loss_request([1, token, 3])), CONTENT_TYPE_PROTOBUF)
+    assert refused_cleanly(proto_bytes(_custom_loss_request((1, 2, 3))), CONTENT_TYPE_PROTOBUF) is None
+    field = refused_cleanly(proto_bytes(_custom_loss_request((1, token, 3))), CONTENT_TYPE_PROTOBUF)
     assert field is not None and field.startswith("data[0].model_input")
 
 
