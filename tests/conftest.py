@@ -18,6 +18,10 @@ from tests.sdk_janitor import SdkJanitor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The SDK's telemetry thread retries its posts with jittered backoff after a client's test (and server) ended,
+# drawing from the process-wide `random` under hypothesis's feet in later tests; one e2e test turns it on
+# (tests/e2e/test_smoke.py::test_sdk_telemetry_reaches_the_server).
+os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ which publishes may have gone unseen must answer True."""
 from __future__ import annotations
 
 import socket
+import threading
 import uuid
 
 import redis
@@ -31,10 +32,16 @@ def test_a_publish_the_in_process_notifier_no_longer_remembers_counts_as_a_chang
 
 
 def test_a_redis_notifier_that_never_subscribed_vouches_for_nothing() -> None:
+    """Also: `close()` ends the listener even though it never got through. The client is made from a URL, as
+    the services make theirs (`services.runtime.redis_replicas.connect`): such connections try once, and the
+    listener's own loop backs off and notices `close()`. (A client built with `redis.Redis(host=...)` retries
+    each connect ten times with redis-py's backoff, so its listener outlived the test by seconds, drawing
+    from the process-wide `random` while later tests ran.)"""
     with socket.socket() as probe:  # a port nothing listens on: the subscription can never be established
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
+    dead = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.2)
+    threads_before = set(threading.enumerate())
     notifier = RedisNotifier(dead, prefix="carpool-test-never-subscribed")
     try:
         assert notifier.changed_since(WATCHED, notifier.mark())  # not listening yet
@@ -43,6 +50,7 @@ def test_a_redis_notifier_that_never_subscribed_vouches_for_nothing() -> None:
     finally:
         notifier.close()
         dead.close()
+    assert [t.name for t in set(threading.enumerate()) - threads_before if t.name == "carpool-notifier"] == []
 
 
 def test_a_mark_taken_before_a_lost_subscription_counts_as_changed() -> None:
