@@ -99,6 +99,10 @@ def world(server: Server, base_model: str) -> Iterator[World]:
     yield World(server, base_model, key, service, training, sampler, rest, admin, data, state, sampler_path,
                 external, loss)
     service.close("success").result()
+    # REST clients have no close of their own: they share the SDK's process-wide session-less holder for this
+    # URL and key, whose JWT refresh would otherwise retry against the stopped server for the rest of the run.
+    for holder in {id(client.holder): client.holder for client in (rest, admin)}.values():
+        holder.close()
 
 
 # -- the calls ------------------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def _sampling(w: World) -> tuple[Any, dict[str, Call]]:
         "compute_logprobs": lambda m: m(PROMPT),
         "create": lambda m: m(s.holder, model_path=w.sampler_path),
         # A client from a handle is a "shadow": it joins the sampling session (join_sampling_session).
-        "from_sampler_handle": lambda m: m(s.get_sampler_handle(), api_key=w.key).sample(PROMPT, 1, GREEDY),
+        "from_sampler_handle": lambda m: _sample_once_and_close(m(s.get_sampler_handle(), api_key=w.key)),
         "get_base_model": lambda m: m(),
         "get_sampler_handle": lambda m: m(),
         "get_telemetry": lambda m: m(),
@@ -169,6 +173,15 @@ def _sampling(w: World) -> tuple[Any, dict[str, Call]]:
         "on_queue_state_change": lambda m: m(QueueState.ACTIVE, None),
         "sample": lambda m: m(PROMPT, 2, GREEDY),
     }
+
+
+def _sample_once_and_close(joined: tinker.SamplingClient) -> types.SampleResponse:
+    """A joined client runs over the SDK's shadow holder for its session, which nothing else closes: left open,
+    its JWT refresh would retry against this module's stopped server for the rest of the run."""
+    try:
+        return joined.sample(PROMPT, 1, GREEDY).result()
+    finally:
+        joined.holder.close()
 
 
 def _rest(w: World) -> tuple[Any, dict[str, Call]]:
