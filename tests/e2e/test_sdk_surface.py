@@ -101,8 +101,9 @@ def world(server: Server, base_model: str) -> Iterator[World]:
     service.close("success").result()
     # REST clients have no close of their own: they share the SDK's process-wide session-less holder for this
     # URL and key, whose JWT refresh would otherwise retry against the stopped server for the rest of the run.
-    for holder in {id(client.holder): client.holder for client in (rest, admin)}.values():
-        holder.close()
+    # (A holder's close is idempotent, so closing it through each client is fine.)
+    for client in (rest, admin):
+        client.holder.close()
 
 
 # -- the calls ------------------------------------------------------------------------------------------------
